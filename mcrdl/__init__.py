@@ -1,0 +1,63 @@
+"""mcrdl: a mix-and-match communication runtime for distributed deep learning.
+
+One API over several communication backends (MPI through mpi4py, torch.distributed gloo),
+where every operation may run on a different backend in one program, without deadlocks.
+Every operation returns a `CommFuture` at once; ``await`` it in asyncio code or ``.wait()``
+for it in ordinary code::
+
+    import mcrdl
+
+    with mcrdl.init() as comm:
+        y = comm.alltoall(x).wait()
+        comm.allreduce(grad, backend="gloo")
+
+``import mcrdl`` initializes nothing: MPI, torch.distributed and threads start in `init`.
+"""
+
+from ._communicator import Communicator
+from ._errors import (
+    BackendError,
+    BackendUnavailableError,
+    CommAbortedError,
+    CommClosedError,
+    CommTimeoutError,
+    DependencyFailedError,
+    DesyncError,
+    FutureCancelledError,
+    InvalidStateError,
+    MCRDLError,
+    RuntimeFinalizedError,
+    UnknownBackendError,
+    UnsupportedOperationError,
+)
+from ._runtime import Runtime, current_runtime, finalize, init
+from ._types import DType, OpKind, ReduceOp
+from .engine import CommFuture, EngineStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendError",
+    "BackendUnavailableError",
+    "CommAbortedError",
+    "CommClosedError",
+    "CommFuture",
+    "CommTimeoutError",
+    "Communicator",
+    "DType",
+    "DependencyFailedError",
+    "DesyncError",
+    "EngineStats",
+    "FutureCancelledError",
+    "InvalidStateError",
+    "MCRDLError",
+    "OpKind",
+    "ReduceOp",
+    "Runtime",
+    "RuntimeFinalizedError",
+    "UnknownBackendError",
+    "UnsupportedOperationError",
+    "current_runtime",
+    "finalize",
+    "init",
+]

@@ -1,0 +1,139 @@
+"""Bootstrap: which launcher started this process, who we are, and a store for the backends.
+
+- ``mpiexec``/``srun`` (PMI or OpenMPI variables present): MPI is initialized here, at thread
+  level SERIALIZED (all MPI calls go through the engine's lock; MULTIPLE doubles the cost of a
+  small call), and the store for gloo is bootstrapped through MPI: rank 0 listens on loopback
+  when every rank shares its host (on ``MCRDL_HOST`` or the host's address otherwise) and
+  broadcasts the port. No MASTER_ADDR/MASTER_PORT needed.
+- ``torchrun`` (``TORCHELASTIC_RUN_ID``, or ``RANK``/``WORLD_SIZE``): no MPI; the store is the
+  launcher's rendezvous (``env://``).
+- anything else: a world of one, with an in-process store.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+from ._config import Config
+from ._errors import BackendUnavailableError
+
+__all__ = ["Bootstrap", "detect_launcher"]
+
+_MPI_VARS = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
+_LOOPBACK = "127.0.0.1"
+
+
+def detect_launcher(environ: Mapping[str, str] | None = None) -> str:
+    """``"mpi"``, ``"torchrun"`` or ``"single"``, from the launcher's environment variables."""
+    env = os.environ if environ is None else environ
+    if any(v in env for v in _MPI_VARS):
+        return "mpi"
+    if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env):
+        return "torchrun"
+    return "single"
+
+
+def import_mpi() -> Any:
+    """mpi4py's MPI module, initialized at thread level SERIALIZED unless the caller chose."""
+    import sys
+
+    if "mpi4py.MPI" not in sys.modules:
+        import mpi4py
+
+        mpi4py.rc.thread_level = "serialized"
+    from mpi4py import MPI
+
+    return MPI
+
+
+class Bootstrap:
+    """Facts about this process's world, and the shared store backends rendezvous through.
+
+    Attributes:
+        rank, size: this process in the world.
+        launcher: ``"mpi"``, ``"torchrun"`` or ``"single"``.
+        host: where to bind listening sockets (loopback when all ranks share a host).
+        local_size: ranks on this host.
+        timeout: seconds a bring-up step may block.
+    """
+
+    def __init__(self, config: Config, environ: Mapping[str, str] | None = None) -> None:
+        env = os.environ if environ is None else environ
+        self.launcher = detect_launcher(env)
+        self.timeout = config.timeout or 1800.0
+        self._store: Any = None
+        self._mpi_comm: Any = None
+        if self.launcher == "mpi":
+            try:
+                MPI = import_mpi()
+            except ImportError as exc:
+                raise BackendUnavailableError(
+                    "this process was started by an MPI launcher but mpi4py cannot be imported "
+                    f"({exc}); install mpi4py and mpich, or launch with torchrun"
+                ) from exc
+            self._mpi_comm = comm = MPI.COMM_WORLD.Dup()
+            self.rank, self.size = comm.Get_rank(), comm.Get_size()
+            names = comm.allgather(MPI.Get_processor_name())
+            self.local_size = names.count(names[self.rank])
+            one_host = len(set(names)) == 1
+        elif self.launcher == "torchrun":
+            self.rank, self.size = int(env["RANK"]), int(env["WORLD_SIZE"])
+            self.local_size = int(env.get("LOCAL_WORLD_SIZE", self.size))
+            one_host = self.local_size == self.size
+        else:
+            self.rank, self.size, self.local_size = 0, 1, 1
+            one_host = True
+        if config.host:
+            self.host = config.host
+        elif one_host:
+            self.host = _LOOPBACK
+        else:
+            self.host = socket.gethostbyname(socket.gethostname())
+
+    @property
+    def mpi_comm(self) -> Any:
+        """A private duplicate of MPI_COMM_WORLD (None when MPI did not launch us)."""
+        return self._mpi_comm
+
+    def store(self) -> Any:
+        """A torch.distributed Store shared by all ranks, made on first use (collective)."""
+        if self._store is None:
+            self._store = self._make_store()
+        return self._store
+
+    def _make_store(self) -> Any:
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=self.timeout)
+        if self.launcher == "single":
+            return dist.HashStore()
+        if self.launcher == "torchrun":
+            store, _, _ = next(dist.rendezvous("env://", self.rank, self.size, timeout=timeout))
+            return store
+        comm = self._mpi_comm
+        if self.rank == 0:
+            # Bind the listening socket ourselves: TCPStore alone listens on every interface.
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, 0))
+            sock.listen(max(self.size, 16))
+            port = sock.getsockname()[1]
+            comm.bcast((self.host, port), root=0)
+            store = dist.TCPStore(self.host, port, self.size, True, timeout,
+                                  wait_for_workers=False, master_listen_fd=sock.detach())
+        else:
+            host, port = comm.bcast(None, root=0)
+            store = dist.TCPStore(host, port, self.size, False, timeout)
+        comm.Barrier()
+        return store
+
+    def close(self) -> None:
+        """Release the bootstrap's MPI communicator and store."""
+        if self._mpi_comm is not None:
+            self._mpi_comm.Free()
+            self._mpi_comm = None
+        self._store = None

@@ -1,0 +1,545 @@
+"""Communicator: the front API. Checks every call, picks its backend, and submits it to the engine.
+
+Every operation returns a `CommFuture` at once; see DESIGN.md §1 for the semantics shared by
+all of them (in-place results, ``out=`` allocation, program order across backends, ``after=``).
+Bad input raises here, on the calling rank, before anything is sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._buffers import Buffer, as_buffer
+from ._errors import CommClosedError, MCRDLError
+from ._types import DType, OpKind, ReduceOp
+from .engine import CommFuture
+
+if TYPE_CHECKING:
+    from ._runtime import Runtime
+    from ._select import Slot
+
+__all__ = ["Communicator"]
+
+_SUM = ReduceOp.SUM
+_AVG = ReduceOp.AVG
+_NO_RANGES: tuple[tuple[int, int], ...] = ()
+_MAX_TAG = 32767  # the largest tag every MPI library must accept (MPI_TAG_UB >= 32767)
+
+
+def _ranges(b: Buffer) -> tuple[tuple[int, int], ...]:
+    return ((b.start, b.stop),) if b.nbytes else _NO_RANGES
+
+
+def _check_op(op: Any) -> ReduceOp:
+    if type(op) is ReduceOp:
+        return op
+    raise TypeError(f"op must be a mcrdl.ReduceOp (e.g. ReduceOp.SUM), got {op!r}")
+
+
+def _wrap_new(obj: Any, is_torch: bool, dtype: DType) -> Buffer:
+    """A Buffer for an array mcrdl allocated itself (no hazards: nobody else can hold it yet)."""
+    b = Buffer.__new__(Buffer)
+    b.obj = obj
+    b.dtype = dtype
+    b.shape = tuple(obj.shape)
+    b.numel = int(np.prod(b.shape)) if b.shape else 1
+    b.nbytes = obj.nbytes
+    b.start = b.stop = 0
+    b.is_torch = is_torch
+    b._np = None if is_torch else obj
+    return b
+
+
+class Communicator:
+    """A group of ranks, reachable through every backend the runtime brought up.
+
+    Made by ``mcrdl.init()`` (the world) and by ``split``. All members must submit the same
+    collectives in the same order (the rule MPI and NCCL impose); which backend runs each one
+    may differ per call and never needs to match anything but itself across ranks.
+
+    Invariants:
+    - ``_slots`` maps each backend name to that backend's group and lane for this communicator.
+    - ``_seq`` counts the operations submitted on this communicator (the ``#n`` in reprs).
+    """
+
+    def __init__(self, runtime: Runtime, name: str, slots: dict[str, Slot]) -> None:
+        self._runtime = runtime
+        self._engine = runtime.engine
+        self._selector = runtime.selector
+        self.name = name
+        self._slots = slots
+        first = next(iter(slots.values()))
+        #: This process's rank in the communicator.
+        self.rank: int = first.group.rank
+        #: Number of ranks in the communicator.
+        self.size: int = first.group.size
+        self._seq = 0
+        self._splits = 0
+        self._closed = False
+        self._choice_cache: dict[tuple[Any, ...], tuple[Slot, bool]] = {}
+
+    # -- identity ------------------------------------------------------------------------
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """Names of the backends this communicator can run operations on."""
+        return tuple(self._slots)
+
+    @property
+    def runtime(self) -> Runtime:
+        """The runtime this communicator belongs to."""
+        return self._runtime
+
+    @property
+    def closed(self) -> bool:
+        """True after ``close()`` (or the runtime's finalization)."""
+        return self._closed or self._runtime.finalized
+
+    def __repr__(self) -> str:
+        state = " closed" if self.closed else ""
+        return (
+            f"<Communicator {self.name} rank={self.rank}/{self.size} "
+            f"backends={','.join(self._slots)}{state}>"
+        )
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _choose(
+        self, kind: OpKind, dtype: DType | None, op: ReduceOp | None, nbytes: int, backend: Any
+    ) -> tuple[Slot, bool]:
+        """The slot to run on, and whether AVG must be emulated (SUM, then divide)."""
+        if self._closed or self._runtime.finalized:
+            raise CommClosedError(
+                f"cannot {kind.value} on {self!r}: the communicator is closed"
+                if self._closed
+                else f"cannot {kind.value} on {self.name}: the runtime was finalized"
+            )
+        key = (kind, dtype, op, backend)
+        hit = self._choice_cache.get(key)
+        if hit is not None:
+            return hit
+        choice, cacheable = self._selector.choose(self._slots, kind, dtype, op, nbytes, backend)
+        if cacheable:
+            self._choice_cache[key] = choice
+        return choice
+
+    def _submit(
+        self,
+        kind: OpKind,
+        slot: Slot,
+        start: Any,
+        args: tuple[Any, ...],
+        reads: tuple[tuple[int, int], ...],
+        writes: tuple[tuple[int, int], ...],
+        result: Any,
+        finish: Any,
+        after: Sequence[CommFuture],
+        nbytes: int,
+    ) -> CommFuture:
+        self._seq = seq = self._seq + 1
+        return self._engine.submit(
+            kind.value, slot.lane, seq, start, args, reads, writes, result,
+            finish=finish, after=after, nbytes=nbytes,
+        )
+
+    def _rank_arg(self, name: str, value: Any) -> int:
+        if type(value) is not int and not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+        value = int(value)
+        if not 0 <= value < self.size:
+            raise ValueError(
+                f"{name}={value} out of range for communicator of size {self.size}"
+            )
+        return value
+
+    def _peer_arg(self, name: str, value: Any) -> int:
+        value = self._rank_arg(name, value)
+        if value == self.rank:
+            raise ValueError(
+                f"{name}={value} is this rank; a message to oneself is a local copy: "
+                "use tensor.copy_() instead"
+            )
+        return value
+
+    @staticmethod
+    def _tag_arg(tag: Any) -> int:
+        if type(tag) is not int and not isinstance(tag, (int, np.integer)):
+            raise TypeError(f"tag must be an int, got {tag!r}")
+        if not 0 <= tag <= _MAX_TAG:
+            raise ValueError(f"tag={tag} out of range; tags are 0..{_MAX_TAG} on every backend")
+        return int(tag)
+
+    def _rows(self, kind: OpKind, b: Buffer, name: str = "buf") -> int:
+        """dim 0 of ``b``, which must split into ``size`` equal chunks."""
+        if not b.shape:
+            raise ValueError(
+                f"{kind.value} splits dim 0, but {name} is 0-dimensional; pass "
+                f"{name}.reshape(1) or a buffer with a leading dimension"
+            )
+        rows = b.shape[0]
+        if rows % self.size:
+            raise ValueError(
+                f"{kind.value} needs dim 0 of {name} divisible by the communicator size "
+                f"{self.size}; got shape {tuple(b.shape)}"
+            )
+        return rows
+
+    def _out(
+        self, kind: OpKind, out: Any, b: Buffer, shape: tuple[int, ...], *, alias_ok: bool = False
+    ) -> Buffer:
+        """Check a caller's ``out`` (or allocate one) for a result of ``shape``."""
+        if out is None:
+            return _wrap_new(b.empty(shape), b.is_torch, b.dtype)
+        o = as_buffer(out, "out", writable=True)
+        if o.dtype is not b.dtype:
+            raise TypeError(
+                f"out has dtype {o.dtype.value} but buf has {b.dtype.value}; they must match"
+            )
+        if tuple(o.shape) != shape:
+            raise ValueError(
+                f"out has shape {tuple(o.shape)}; {kind.value} of buf with shape "
+                f"{tuple(b.shape)} on {self.size} ranks needs {shape}"
+            )
+        if not alias_ok and o.nbytes and b.nbytes and o.start < b.stop and b.start < o.stop:
+            raise ValueError(
+                f"out overlaps buf; {kind.value} cannot run in place: pass a separate out"
+            )
+        return o
+
+    def _avg_finish(self, target: Any) -> Any:
+        size = self.size
+
+        def finish(_fut: CommFuture) -> None:
+            if isinstance(target, np.ndarray):
+                np.divide(target, size, out=target)
+            else:
+                target.div_(size)
+
+        return finish
+
+    # -- point to point ------------------------------------------------------------------
+
+    def send(
+        self, buf: Any, dst: int, tag: int = 0, *, backend: str | None = None,
+        after: Sequence[CommFuture] = (),
+    ) -> CommFuture:
+        """Send ``buf`` to rank ``dst``; resolves to None once ``buf`` may be reused."""
+        b = as_buffer(buf, "buf")
+        dst = self._peer_arg("dst", dst)
+        tag = self._tag_arg(tag)
+        slot, _ = self._choose(OpKind.SEND, b.dtype, None, b.nbytes, backend)
+        return self._submit(OpKind.SEND, slot, slot.backend.start_send, (slot.group, b, dst, tag),
+                            _ranges(b), _NO_RANGES, None, None, after, b.nbytes)
+
+    def recv(
+        self, buf: Any, src: int, tag: int = 0, *, backend: str | None = None,
+        after: Sequence[CommFuture] = (),
+    ) -> CommFuture:
+        """Receive into ``buf`` from rank ``src`` (the same backend the sender chose)."""
+        b = as_buffer(buf, "buf", writable=True)
+        src = self._peer_arg("src", src)
+        tag = self._tag_arg(tag)
+        slot, _ = self._choose(OpKind.RECV, b.dtype, None, b.nbytes, backend)
+        return self._submit(OpKind.RECV, slot, slot.backend.start_recv, (slot.group, b, src, tag),
+                            _NO_RANGES, _ranges(b), buf, None, after, b.nbytes)
+
+    # -- collectives ---------------------------------------------------------------------
+
+    def broadcast(
+        self, buf: Any, root: int = 0, *, backend: str | None = None,
+        after: Sequence[CommFuture] = (),
+    ) -> CommFuture:
+        """Copy ``root``'s ``buf`` into every member's ``buf``; resolves to ``buf``."""
+        b = as_buffer(buf, "buf", writable=True)
+        root = self._rank_arg("root", root)
+        slot, _ = self._choose(OpKind.BROADCAST, b.dtype, None, b.nbytes, backend)
+        r = _ranges(b)
+        reads, writes = (r, _NO_RANGES) if root == self.rank else (_NO_RANGES, r)
+        return self._submit(OpKind.BROADCAST, slot, slot.backend.start_broadcast,
+                            (slot.group, b, root), reads, writes, buf, None, after, b.nbytes)
+
+    def reduce(
+        self, buf: Any, root: int = 0, op: ReduceOp = _SUM, *, backend: str | None = None,
+        after: Sequence[CommFuture] = (),
+    ) -> CommFuture:
+        """Reduce every member's ``buf`` into ``root``'s; others' stay as they were."""
+        b = as_buffer(buf, "buf", writable=True)
+        root = self._rank_arg("root", root)
+        op = _check_op(op)
+        slot, emulate = self._choose(OpKind.REDUCE, b.dtype, op, b.nbytes, backend)
+        finish = None
+        if emulate:
+            op = _SUM
+            if root == self.rank:
+                finish = self._avg_finish(buf)
+        r = _ranges(b)
+        reads, writes = (_NO_RANGES, r) if root == self.rank else (r, _NO_RANGES)
+        return self._submit(OpKind.REDUCE, slot, slot.backend.start_reduce,
+                            (slot.group, b, root, op), reads, writes, buf, finish, after,
+                            b.nbytes)
+
+    def allreduce(
+        self, buf: Any, op: ReduceOp = _SUM, *, backend: str | None = None,
+        after: Sequence[CommFuture] = (),
+    ) -> CommFuture:
+        """Reduce every member's ``buf`` into every member's ``buf``; resolves to ``buf``."""
+        b = as_buffer(buf, "buf", writable=True)
+        if type(op) is not ReduceOp:
+            op = _check_op(op)
+        slot, emulate = self._choose(OpKind.ALLREDUCE, b.dtype, op, b.nbytes, backend)
+        finish = None
+        if emulate:
+            op = _SUM
+            finish = self._avg_finish(buf)
+        return self._submit(OpKind.ALLREDUCE, slot, slot.backend.start_allreduce, (slot.group, b, op),
+                            _NO_RANGES, _ranges(b), buf, finish, after, b.nbytes)
+
+    def gather(
+        self, buf: Any, root: int = 0, out: Any = None, *, backend: str | None = None,
+        after: Sequence[CommFuture] = (),
+    ) -> CommFuture:
+        """Concatenate members' ``buf`` along dim 0 at ``root``; resolves to None elsewhere.
+
+        ``out`` is used on the root only; elsewhere it is left untouched.
+        """
+        b = as_buffer(buf, "buf")
+        root = self._rank_arg("root", root)
+        if not b.shape:
+            raise ValueError("gather concatenates along dim 0, but buf is 0-dimensional; "
+                             "pass buf.reshape(1)")
+        slot, _ = self._choose(OpKind.GATHER, b.dtype, None, b.nbytes * self.size, backend)
+        o = None
+        if root == self.rank:
+            o = self._out(OpKind.GATHER, out, b, (b.shape[0] * self.size, *b.shape[1:]))
+        return self._submit(OpKind.GATHER, slot, slot.backend.start_gather,
+                            (slot.group, b, o, root), _ranges(b),
+                            _ranges(o) if o is not None else _NO_RANGES,
+                            o.obj if o is not None else None, None, after, b.nbytes)
+
+    def allgather(
+        self, buf: Any, out: Any = None, *, backend: str | None = None,
+        after: Sequence[CommFuture] = (),
+    ) -> CommFuture:
+        """Concatenate members' ``buf`` along dim 0 on every member; resolves to ``out``."""
+        b = as_buffer(buf, "buf")
+        if not b.shape:
+            raise ValueError("allgather concatenates along dim 0, but buf is 0-dimensional; "
+                             "pass buf.reshape(1)")
+        slot, _ = self._choose(OpKind.ALLGATHER, b.dtype, None, b.nbytes * self.size, backend)
+        o = self._out(OpKind.ALLGATHER, out, b, (b.shape[0] * self.size, *b.shape[1:]))
+        return self._submit(OpKind.ALLGATHER, slot, slot.backend.start_allgather,
+                            (slot.group, b, o), _ranges(b), _ranges(o), o.obj, None, after,
+                            b.nbytes)
+
+    def scatter(
+        self, buf: Any, root: int = 0, out: Any = None, *, backend: str | None = None,
+        after: Sequence[CommFuture] = (),
+    ) -> CommFuture:
+        """Split ``root``'s ``buf`` along dim 0; member i receives chunk i in ``out``.
+
+        Off the root, ``buf`` only gives the shape and dtype (its contents are not read) and
+        may be None when ``out`` is given.
+        """
+        root = self._rank_arg("root", root)
+        if buf is None and root != self.rank and out is not None:
+            o = as_buffer(out, "out", writable=True)
+            if not o.shape:
+                raise ValueError("scatter's out must have a leading dimension; got 0-d")
+            b = None
+            dtype, nbytes = o.dtype, o.nbytes * self.size
+        else:
+            b = as_buffer(buf, "buf")
+            rows = self._rows(OpKind.SCATTER, b)
+            o = self._out(OpKind.SCATTER, out, b, (rows // self.size, *b.shape[1:]))
+            dtype, nbytes = b.dtype, b.nbytes
+        slot, _ = self._choose(OpKind.SCATTER, dtype, None, nbytes, backend)
+        is_root = root == self.rank
+        send = b if is_root else None
+        return self._submit(OpKind.SCATTER, slot, slot.backend.start_scatter,
+                            (slot.group, send, o, root),
+                            _ranges(b) if is_root and b is not None else _NO_RANGES,
+                            _ranges(o), o.obj, None, after, o.nbytes)
+
+    def reduce_scatter(
+        self, buf: Any, op: ReduceOp = _SUM, out: Any = None, *, backend: str | None = None,
+        after: Sequence[CommFuture] = (),
+    ) -> CommFuture:
+        """Reduce members' ``buf``; member i receives chunk i (along dim 0) in ``out``."""
+        b = as_buffer(buf, "buf")
+        op = _check_op(op)
+        rows = self._rows(OpKind.REDUCE_SCATTER, b)
+        slot, emulate = self._choose(OpKind.REDUCE_SCATTER, b.dtype, op, b.nbytes, backend)
+        o = self._out(OpKind.REDUCE_SCATTER, out, b, (rows // self.size, *b.shape[1:]))
+        finish = None
+        if emulate:
+            op = _SUM
+            finish = self._avg_finish(o.obj)
+        return self._submit(OpKind.REDUCE_SCATTER, slot, slot.backend.start_reduce_scatter,
+                            (slot.group, b, o, op), _ranges(b), _ranges(o), o.obj, finish,
+                            after, b.nbytes)
+
+    def alltoall(
+        self, buf: Any, out: Any = None, *, backend: str | None = None,
+        after: Sequence[CommFuture] = (),
+    ) -> CommFuture:
+        """Chunk j of this rank's ``buf`` (along dim 0) goes to rank j; resolves to ``out``."""
+        b = as_buffer(buf, "buf")
+        self._rows(OpKind.ALLTOALL, b)
+        slot, _ = self._choose(OpKind.ALLTOALL, b.dtype, None, b.nbytes * self.size, backend)
+        o = self._out(OpKind.ALLTOALL, out, b, tuple(b.shape))
+        return self._submit(OpKind.ALLTOALL, slot, slot.backend.start_alltoall,
+                            (slot.group, b, o), _ranges(b), _ranges(o), o.obj, None, after,
+                            b.nbytes)
+
+    def alltoallv(
+        self,
+        buf: Any,
+        send_counts: Sequence[int],
+        recv_counts: Sequence[int] | None = None,
+        out: Any = None,
+        *,
+        backend: str | None = None,
+        after: Sequence[CommFuture] = (),
+    ) -> CommFuture:
+        """Rows ``send_counts[j]`` of ``buf`` (in order along dim 0) go to rank j.
+
+        ``recv_counts[i]`` is how many rows arrive from rank i; when None, the counts are
+        exchanged first (an alltoall of counts on the same backend, in the same lane slot).
+        Resolves to ``out``, whose dim 0 is ``sum(recv_counts)``.
+        """
+        b = as_buffer(buf, "buf")
+        if not b.shape:
+            raise ValueError("alltoallv splits dim 0, but buf is 0-dimensional; pass "
+                             "buf.reshape(-1)")
+        send = self._counts("send_counts", send_counts)
+        if sum(send) != b.shape[0]:
+            raise ValueError(
+                f"send_counts sum to {sum(send)} but buf has {b.shape[0]} rows along dim 0; "
+                "they must be equal"
+            )
+        tail = tuple(b.shape[1:])
+        if recv_counts is not None:
+            recv = self._counts("recv_counts", recv_counts)
+            slot, _ = self._choose(OpKind.ALLTOALLV, b.dtype, None, b.nbytes, backend)
+            o = self._out(OpKind.ALLTOALLV, out, b, (sum(recv), *tail))
+            return self._submit(OpKind.ALLTOALLV, slot, slot.backend.start_alltoallv,
+                                (slot.group, b, send, o, recv), _ranges(b), _ranges(o), o.obj,
+                                None, after, b.nbytes)
+        return self._alltoallv_exchanging(b, send, tail, out, backend, after)
+
+    def _counts(self, name: str, counts: Sequence[int]) -> tuple[int, ...]:
+        try:
+            values = tuple(int(c) for c in counts)
+        except TypeError:
+            raise TypeError(f"{name} must be a sequence of {self.size} ints, got {counts!r}") from None
+        if len(values) != self.size:
+            raise ValueError(
+                f"{name} has {len(values)} entries; the communicator has {self.size} ranks"
+            )
+        if any(c < 0 for c in values):
+            raise ValueError(f"{name} has a negative count: {list(values)}")
+        return values
+
+    def _alltoallv_exchanging(
+        self, b: Buffer, send: tuple[int, ...], tail: tuple[int, ...], out: Any,
+        backend: str | None, after: Sequence[CommFuture],
+    ) -> CommFuture:
+        o_given = None if out is None else as_buffer(out, "out", writable=True)
+        if o_given is not None:
+            if o_given.dtype is not b.dtype:
+                raise TypeError(f"out has dtype {o_given.dtype.value} but buf has "
+                                f"{b.dtype.value}; they must match")
+            if tuple(o_given.shape[1:]) != tail:
+                raise ValueError(f"out has shape {tuple(o_given.shape)}; alltoallv of buf with "
+                                 f"shape {tuple(b.shape)} needs (sum(recv_counts), *{tail})")
+        slot, _ = self._choose(OpKind.ALLTOALLV, b.dtype, None, b.nbytes, backend)
+        counts_slot, _ = self._choose(OpKind.ALLTOALL, DType.INT64, None, 8 * self.size,
+                                      slot.backend.name)
+        mine = np.asarray(send, dtype=np.int64)
+        theirs = np.empty(self.size, dtype=np.int64)
+        cb, co = _wrap_new(mine, False, DType.INT64), _wrap_new(theirs, False, DType.INT64)
+        counts = self._submit(OpKind.ALLTOALL, counts_slot, counts_slot.backend.start_alltoall,
+                              (counts_slot.group, cb, co), _NO_RANGES, _NO_RANGES, theirs, None,
+                              after, 8 * self.size)
+        state: dict[str, Any] = {}
+
+        def start() -> Any:
+            recv = tuple(int(c) for c in theirs)
+            rows = sum(recv)
+            if o_given is not None:
+                if o_given.shape[0] != rows:
+                    raise ValueError(
+                        f"out has {o_given.shape[0]} rows but the peers send {rows} "
+                        f"(recv_counts {list(recv)})"
+                    )
+                o = o_given
+            else:
+                o = _wrap_new(b.empty((rows, *tail)), b.is_torch, b.dtype)
+            state["out"] = o.obj
+            return slot.backend.start_alltoallv(slot.group, b, send, o, recv)
+
+        def finish(fut: CommFuture) -> None:
+            fut._result = state["out"]
+
+        return self._submit(OpKind.ALLTOALLV, slot, start, (), _ranges(b),
+                            _ranges(o_given) if o_given is not None else _NO_RANGES, None,
+                            finish, (counts,), b.nbytes)
+
+    def barrier(
+        self, *, backend: str | None = None, after: Sequence[CommFuture] = ()
+    ) -> CommFuture:
+        """Complete once every member has reached its barrier; resolves to None."""
+        slot, _ = self._choose(OpKind.BARRIER, None, None, 0, backend)
+        return self._submit(OpKind.BARRIER, slot, slot.backend.start_barrier, (slot.group,),
+                            _NO_RANGES, _NO_RANGES, None, None, after, 0)
+
+    # -- sub-communicators and lifetime --------------------------------------------------
+
+    def split(self, color: int | None, key: int | None = None) -> Communicator | None:
+        """A sub-communicator of the members that pass the same ``color``, on every backend.
+
+        Every member must call it (collective). ``color=None`` opts out and returns None (like
+        MPI_UNDEFINED). Ranks in the new communicator are ordered by ``key`` (default: the
+        rank here), ties by rank here.
+        """
+        if color is not None and (not isinstance(color, (int, np.integer)) or color < 0):
+            raise ValueError(f"color={color!r} must be a non-negative int or None")
+        if key is None:
+            key = self.rank
+        if not isinstance(key, (int, np.integer)):
+            raise TypeError(f"key must be an int, got {key!r}")
+        mine = np.array([-1 if color is None else int(color), int(key)], dtype=np.int64)
+        table = self.allgather(mine).wait().reshape(self.size, 2)
+        self._splits = n = self._splits + 1
+        if color is None:
+            return None
+        members = sorted(
+            (r for r in range(self.size) if table[r, 0] == color), key=lambda r: (table[r, 1], r)
+        )
+        return self._runtime.make_communicator(self, f"{self.name}.{n}c{color}", members, n)
+
+    def close(self) -> None:
+        """Wait for this communicator's operations, then release its backend groups.
+
+        Closing the world communicator finalizes the runtime. Idempotent.
+        """
+        if self._closed:
+            return
+        if self is self._runtime.world:
+            self._runtime.finalize()
+            return
+        self._runtime.close_communicator(self)
+        self._closed = True
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.close()
+        except MCRDLError:
+            if exc[0] is None:
+                raise

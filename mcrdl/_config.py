@@ -1,0 +1,104 @@
+"""Configuration: the only reader of ``MCRDL_*`` environment variables.
+
+``init()`` keyword arguments win over the environment, which wins over the defaults.
+
+| variable | init() argument | meaning |
+|---|---|---|
+| ``MCRDL_BACKENDS`` | ``backends`` | comma-separated backends to bring up (default: all that can run) |
+| ``MCRDL_TIMEOUT`` | ``timeout`` | seconds an issued operation may take; ``0`` or ``none``: no limit |
+| ``MCRDL_DEBUG`` | ``debug`` | ``1``: check every collective's fingerprint across its group |
+| ``MCRDL_TUNING`` | ``tuning`` | path of a tuning table for ``backend="auto"`` |
+| ``MCRDL_PROGRESS_THREAD`` | ``progress_thread`` | ``0``: no background progress thread |
+| ``MCRDL_FLIGHT_RECORDER`` | ``flight_recorder`` | where a timeout dumps the flight recorder: ``stderr`` or a path |
+| ``MCRDL_HOST`` | ``host`` | address to bind and advertise (default: loopback on one host) |
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Config", "DEFAULT_TIMEOUT"]
+
+#: Seconds an issued operation may take before it fails with CommTimeoutError.
+DEFAULT_TIMEOUT = 300.0
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _flag(name: str, value: str) -> bool:
+    low = value.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(f"{name}={value!r} is not a boolean; use 1 or 0")
+
+
+def _seconds(name: str, value: str | float | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value.strip().lower() in ("none", "0", ""):
+            return None
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(f"{name}={value!r} is not a number of seconds") from None
+    if value != value or value < 0:
+        raise ValueError(f"{name}={value!r} must be a non-negative number of seconds")
+    return None if value == 0 else float(value)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Settings of one runtime (see the module docstring for where each comes from)."""
+
+    backends: tuple[str, ...] | None = None
+    timeout: float | None = DEFAULT_TIMEOUT
+    debug: bool = False
+    tuning: str | None = None
+    progress_thread: bool = True
+    flight_recorder: str = "stderr"
+    host: str | None = None
+
+    @classmethod
+    def load(
+        cls,
+        *,
+        backends: Sequence[str] | str | None = None,
+        timeout: float | None | str = "unset",
+        debug: bool | None = None,
+        tuning: str | None = None,
+        progress_thread: bool | None = None,
+        flight_recorder: str | None = None,
+        host: str | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> Config:
+        """Merge ``init()`` arguments (None: not given) over ``environ`` (default os.environ)."""
+        env = os.environ if environ is None else environ
+        if backends is None and env.get("MCRDL_BACKENDS"):
+            backends = env["MCRDL_BACKENDS"]
+        if isinstance(backends, str):
+            backends = [b.strip() for b in backends.split(",") if b.strip()]
+        if timeout == "unset":
+            timeout = _seconds("MCRDL_TIMEOUT", env.get("MCRDL_TIMEOUT", str(DEFAULT_TIMEOUT)))
+        else:
+            timeout = _seconds("timeout", timeout)
+        if debug is None:
+            debug = _flag("MCRDL_DEBUG", env.get("MCRDL_DEBUG", "0"))
+        if progress_thread is None:
+            progress_thread = _flag(
+                "MCRDL_PROGRESS_THREAD", env.get("MCRDL_PROGRESS_THREAD", "1")
+            )
+        return cls(
+            backends=tuple(backends) if backends is not None else None,
+            timeout=timeout,
+            debug=bool(debug),
+            tuning=tuning if tuning is not None else env.get("MCRDL_TUNING") or None,
+            progress_thread=bool(progress_thread),
+            flight_recorder=flight_recorder or env.get("MCRDL_FLIGHT_RECORDER") or "stderr",
+            host=host or env.get("MCRDL_HOST") or None,
+        )

@@ -1,0 +1,257 @@
+"""The runtime: owns one engine, the backends it brought up, and the communicators made from them.
+
+``init()`` makes one and returns its world communicator; ``finalize()`` drains and releases it.
+A process has at most one live runtime at a time (MPI and the launcher's store are
+per-process resources); after ``finalize()`` a new ``init()`` may start another.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from ._bootstrap import Bootstrap
+from ._communicator import Communicator
+from ._config import Config
+from ._errors import (
+    BackendUnavailableError,
+    MCRDLError,
+    RuntimeFinalizedError,
+)
+from ._select import Selector, Slot
+from .backends import Backend, backend_class, known_backends
+from .engine import CommFuture, Engine, PollPolicy
+
+__all__ = ["Runtime", "current_runtime", "finalize", "init"]
+
+_live: list[Runtime] = []
+_live_lock = threading.Lock()
+_atexit_registered = False
+
+#: Backends a launcher can bring up by default, in bring-up order.
+_DEFAULTS = {"mpi": ("mpi", "gloo"), "single": ("mpi", "gloo"), "torchrun": ("gloo",)}
+
+
+class Runtime:
+    """One ``init()``: the engine, the backends, the world communicator.
+
+    Invariants:
+    - every backend in ``_backends`` is up on the world; each communicator has a group on each.
+    - after ``finalize()`` nothing can be submitted, and no future is left unfinished.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        bootstrap: Bootstrap | None,
+        backends: dict[str, Backend],
+        *,
+        engine: Engine | None = None,
+    ) -> None:
+        if not backends:
+            raise BackendUnavailableError("no backend could be brought up")
+        self.config = config
+        self.bootstrap = bootstrap
+        self._backends = backends
+        self.finalized = False
+        self.engine = engine or Engine(
+            policy=PollPolicy(oversubscribed=_oversubscribed(bootstrap)),
+            background=config.progress_thread,
+            timeout=config.timeout,
+            on_timeout=self._dump_flight_record,
+        )
+        self.selector = Selector(tuple(backends))
+        self._comms: list[Communicator] = []
+        self.world = self._communicator(
+            "world", {name: b.world() for name, b in backends.items()}
+        )
+
+    @property
+    def backend_names(self) -> tuple[str, ...]:
+        """The backends this runtime brought up, in auto's preference order."""
+        return self.selector.preference
+
+    def backend(self, name: str) -> Backend:
+        """The backend object ``name`` (for benchmarks and tools; users pass names)."""
+        try:
+            return self._backends[name]
+        except KeyError:
+            raise BackendUnavailableError(
+                f"backend {name!r} is not up in this runtime; up: {', '.join(self._backends)}"
+            ) from None
+
+    def _communicator(self, name: str, groups: dict[str, Any]) -> Communicator:
+        slots = {}
+        for bname in self.selector.preference:
+            backend = self._backends[bname]
+            group = groups[bname]
+            slots[bname] = Slot(backend, group, self.engine.lane(backend, group, name))
+        comm = Communicator(self, name, slots)
+        self._comms.append(comm)
+        return comm
+
+    def make_communicator(
+        self, parent: Communicator, name: str, members: Sequence[int], n: int
+    ) -> Communicator:
+        """The sub-communicator ``name`` of ``members`` of ``parent`` (called by members only)."""
+        groups = {}
+        # Group creation blocks among the members only, all of which are making this same
+        # call right after the same allgather; holding the lock keeps MPI serialized.
+        with self.engine.lock:
+            for bname in self.selector.preference:
+                parent_group = parent._slots[bname].group
+                groups[bname] = self._backends[bname].create_group(parent_group, members, name)
+        return self._communicator(name, groups)
+
+    def close_communicator(self, comm: Communicator) -> None:
+        """Wait for ``comm``'s unfinished operations, then free its groups."""
+        lanes = {slot.lane for slot in comm._slots.values()}
+        for fut in self.engine.unfinished():
+            if fut.lane in lanes:
+                try:
+                    fut.wait()
+                except Exception:  # noqa: BLE001 - its owner sees the error; we only drain
+                    pass
+        with self.engine.lock:
+            for slot in comm._slots.values():
+                slot.lane.closed = True
+                slot.backend.free_group(slot.group)
+        self._comms.remove(comm)
+
+    def _dump_flight_record(self, expired: list[CommFuture], record: str) -> None:
+        text = (
+            f"mcrdl: {len(expired)} operation(s) timed out on rank "
+            f"{self.world.rank}: {', '.join(repr(f) for f in expired)}\n{record}\n"
+        )
+        dest = self.config.flight_recorder
+        if dest == "stderr":
+            sys.stderr.write(text)
+            sys.stderr.flush()
+        else:
+            path = dest.replace("{rank}", str(self.world.rank))
+            with open(path, "a", encoding="utf-8") as fh:
+                fh.write(text)
+
+    def finalize(self) -> None:
+        """Wait for every submitted operation, then release backends. Idempotent.
+
+        Operations that cannot finish within the runtime's timeout fail with
+        CommTimeoutError first; anything still unfinished after that fails with
+        RuntimeFinalizedError.
+        """
+        if self.finalized:
+            return
+        engine = self.engine
+        for fut in engine.unfinished():
+            try:
+                fut.wait()
+            except Exception:  # noqa: BLE001 - the future carries its error; finalize goes on
+                pass
+        engine.fail_all(
+            lambda f: RuntimeFinalizedError(f"the runtime was finalized before {f!r} finished")
+        )
+        engine.close("finalize() was called")
+        self.finalized = True
+        with engine.lock:
+            for comm in list(self._comms):
+                comm._closed = True
+                if comm is not self.world:
+                    for slot in comm._slots.values():
+                        slot.backend.free_group(slot.group)
+            for backend in self._backends.values():
+                backend.close()
+        if self.bootstrap is not None:
+            self.bootstrap.close()
+        with _live_lock:
+            if self in _live:
+                _live.remove(self)
+
+
+def _oversubscribed(bootstrap: Bootstrap | None) -> bool:
+    """More ranks on this host than it has cores: waiters must never spin."""
+    return bootstrap is not None and bootstrap.local_size > (os.cpu_count() or 1)
+
+
+def init(
+    *,
+    backends: Sequence[str] | str | None = None,
+    timeout: float | None | str = "unset",
+    debug: bool | None = None,
+    tuning: str | None = None,
+    progress_thread: bool | None = None,
+    flight_recorder: str | None = None,
+    host: str | None = None,
+) -> Communicator:
+    """Bring up every available backend and return the world communicator.
+
+    Works under ``mpiexec``/``srun`` (MPI and gloo, gloo bootstrapped through MPI), under
+    ``torchrun`` (gloo only) and in a plain process (a world of one). Arguments override the
+    ``MCRDL_*`` environment variables (see ``mcrdl._config``).
+
+    Args:
+        backends: names to bring up (default: all that can run under this launcher).
+        timeout: seconds an issued operation may take before it fails with
+            CommTimeoutError; None for no limit.
+        debug: check every collective's fingerprint across its group.
+        tuning: a tuning table for ``backend="auto"``.
+        progress_thread: run the background progress thread (default True).
+        flight_recorder: where timeouts dump the flight recorder (``"stderr"`` or a path;
+            ``{rank}`` in a path is replaced by the rank).
+        host: address to bind and advertise instead of the default.
+
+    Raises:
+        MCRDLError: a runtime is live already (use its communicator, or finalize first).
+        UnknownBackendError, BackendUnavailableError: a requested backend cannot come up.
+    """
+    global _atexit_registered
+    with _live_lock:
+        if _live:
+            raise MCRDLError(
+                "mcrdl is initialized already; use the communicator init() returned, "
+                "or call mcrdl.finalize() first"
+            )
+        config = Config.load(backends=backends, timeout=timeout, debug=debug, tuning=tuning,
+                             progress_thread=progress_thread, flight_recorder=flight_recorder,
+                             host=host)
+        bootstrap = Bootstrap(config)
+        names = config.backends or _DEFAULTS[bootstrap.launcher]
+        up: dict[str, Backend] = {}
+        for name in names:
+            cls = backend_class(name)  # UnknownBackendError for a typo
+            if not cls.is_available():
+                if config.backends is None:
+                    continue
+                raise BackendUnavailableError(
+                    f"backend {name!r} cannot run here; known: {', '.join(known_backends())}"
+                )
+            up[name] = cls(bootstrap)
+        runtime = Runtime(config, bootstrap, up)
+        _live.append(runtime)
+        if not _atexit_registered:
+            atexit.register(_finalize_at_exit)
+            _atexit_registered = True
+    return runtime.world
+
+
+def current_runtime() -> Runtime | None:
+    """The live runtime, if ``init()`` was called and not finalized."""
+    return _live[0] if _live else None
+
+
+def finalize() -> None:
+    """Finalize the live runtime (see `Runtime.finalize`); a no-op when there is none."""
+    runtime = current_runtime()
+    if runtime is not None:
+        runtime.finalize()
+
+
+def _finalize_at_exit() -> None:
+    for runtime in list(_live):
+        try:
+            runtime.finalize()
+        except Exception as exc:  # noqa: BLE001 - report, but let the interpreter exit
+            sys.stderr.write(f"mcrdl: finalize at exit failed: {exc}\n")

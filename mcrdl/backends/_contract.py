@@ -1,0 +1,221 @@
+"""The backend contract: one ABC that every transport implements, and its capabilities as data.
+
+A backend *starts* operations and returns a request that the engine can *test* without
+blocking. It never waits: all waiting, ordering and dependency tracking is the engine's
+(``mcrdl.engine``). Everything the engine and the front need to know about a backend is in
+this module; a concrete backend's docstring only adds its quirks.
+
+Lifecycle: the runtime constructs each backend once per process with a `Bootstrap`, then asks
+for the world group and for sub-groups as communicators are split. Operations arrive as
+``start_<op>(group, ...)`` calls, in the order the engine issues them; ``test`` reports which
+requests have finished. All calls into one backend come from one thread at a time (the engine's
+lock), so a backend may use libraries initialized for serialized threading.
+
+Buffers are `mcrdl._buffers.Buffer` objects, already checked for contiguity, device and dtype
+against ``capabilities``; a backend asks them for the view it speaks (``numpy()``,
+``torch()``). Shapes follow torch's dim-0 convention: gather and allgather concatenate along dim
+0; scatter, reduce_scatter and alltoall split dim 0 into ``group.size`` equal chunks; alltoallv
+splits it by counts (in dim-0 rows).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from .._types import DType, OpKind, ReduceOp
+
+if TYPE_CHECKING:
+    from .._buffers import Buffer
+
+__all__ = ["Backend", "Bootstrap", "Capabilities", "Group", "Request"]
+
+#: What ``start_*`` returns: opaque to everybody but the backend that made it. ``None`` means the
+#: operation finished during the start call (a size-1 group, an empty message).
+Request = Any
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, as data the front and the selector consult.
+
+    Attributes:
+        ops: operations it starts.
+        dtypes: element types it carries (moves) in every operation of ``ops``.
+        reductions: for each ReduceOp it performs natively, the dtypes it reduces correctly.
+            AVG missing here is not a refusal: the engine runs SUM and divides.
+        devices: where its buffers may live (``"cpu"``, ``"cuda"``).
+        cancel: whether an issued request can be cancelled.
+        stream_ordered: whether it orders work on a device stream (GPU backends).
+        self_progressing: whether it completes work on threads of its own (gloo), so that a
+            poller must yield the CPU to it instead of spinning; False where the caller's polls
+            are what moves the data (MPI).
+        blocking_wait: whether ``block()`` can wait for one request without the engine's
+            lock, which beats polling when that request is all that is in flight.
+    """
+
+    ops: frozenset[OpKind]
+    dtypes: frozenset[DType]
+    reductions: Mapping[ReduceOp, frozenset[DType]] = field(default_factory=dict)
+    devices: frozenset[str] = frozenset({"cpu"})
+    cancel: bool = False
+    stream_ordered: bool = False
+    self_progressing: bool = False
+    blocking_wait: bool = False
+
+    def can_reduce(self, op: ReduceOp, dtype: DType) -> bool:
+        """Whether ``op`` on ``dtype`` is possible, natively or (AVG) as SUM then divide."""
+        if op is ReduceOp.AVG and ReduceOp.AVG not in self.reductions:
+            return dtype.is_floating and dtype in self.reductions.get(ReduceOp.SUM, ())
+        return dtype in self.reductions.get(op, ())
+
+
+class Group(Protocol):
+    """A backend's handle for one communicator: its members' ranks and this process's rank."""
+
+    rank: int
+    size: int
+
+
+class Bootstrap(Protocol):
+    """What a backend may ask of the runtime while it comes up.
+
+    Attributes:
+        rank: this process's rank in the world.
+        size: the world's size.
+        launcher: ``"mpi"``, ``"torchrun"`` or ``"single"``.
+        host: the address to bind listening sockets to (loopback when all ranks share a host).
+        timeout: seconds a blocking bring-up step may take before it fails.
+    """
+
+    rank: int
+    size: int
+    launcher: str
+    host: str
+    timeout: float
+
+    def store(self) -> Any:
+        """A torch.distributed Store shared by all ranks (created on first use)."""
+        ...
+
+
+class Backend(ABC):
+    """One transport behind the engine. Subclasses set ``name`` and ``capabilities``.
+
+    Invariants:
+    - no method blocks waiting for a peer once the backend is up, except group creation, which
+      the runtime calls only when every member is known to be making the same call;
+    - ``start_*`` either returns a request, returns None (finished already) or raises (the
+      operation failed before anything was sent; the engine fails its future with the message).
+    """
+
+    name: ClassVar[str]
+    capabilities: Capabilities
+
+    @classmethod
+    @abstractmethod
+    def is_available(cls) -> bool:
+        """Whether this backend can run in this process. Never raises, never initializes."""
+
+    @abstractmethod
+    def __init__(self, bootstrap: Bootstrap) -> None:
+        """Bring the backend up on the world (collective over all ranks)."""
+
+    @abstractmethod
+    def world(self) -> Group:
+        """The group of all ranks."""
+
+    @abstractmethod
+    def create_group(self, parent: Group, members: Sequence[int], tag: str) -> Group:
+        """A group of ``members`` (ranks of ``parent``, in the new group's rank order).
+
+        Called by exactly the members, all with the same arguments; ``tag`` is unique per
+        communicator in the runtime, so that concurrent creations cannot match each other.
+        """
+
+    @abstractmethod
+    def free_group(self, group: Group) -> None:
+        """Release a group created by ``create_group``; no request on it is in flight."""
+
+    # Operations. Each returns a Request (see module docstring for shapes).
+
+    @abstractmethod
+    def start_send(self, group: Group, buf: Buffer, dst: int, tag: int) -> Request:
+        """Send ``buf`` to rank ``dst`` of ``group``."""
+
+    @abstractmethod
+    def start_recv(self, group: Group, buf: Buffer, src: int, tag: int) -> Request:
+        """Receive into ``buf`` from rank ``src`` of ``group``."""
+
+    @abstractmethod
+    def start_broadcast(self, group: Group, buf: Buffer, root: int) -> Request:
+        """Copy ``root``'s ``buf`` into every member's ``buf``."""
+
+    @abstractmethod
+    def start_reduce(self, group: Group, buf: Buffer, root: int, op: ReduceOp) -> Request:
+        """Reduce every member's ``buf`` into ``root``'s ``buf``; others' ``buf`` stay unchanged."""
+
+    @abstractmethod
+    def start_allreduce(self, group: Group, buf: Buffer, op: ReduceOp) -> Request:
+        """Reduce every member's ``buf`` into every member's ``buf``."""
+
+    @abstractmethod
+    def start_gather(self, group: Group, buf: Buffer, out: Buffer | None, root: int) -> Request:
+        """Concatenate members' ``buf`` along dim 0 into ``root``'s ``out`` (None elsewhere)."""
+
+    @abstractmethod
+    def start_allgather(self, group: Group, buf: Buffer, out: Buffer) -> Request:
+        """Concatenate members' ``buf`` along dim 0 into every member's ``out``."""
+
+    @abstractmethod
+    def start_scatter(self, group: Group, buf: Buffer | None, out: Buffer, root: int) -> Request:
+        """Split ``root``'s ``buf`` along dim 0; chunk i goes to member i's ``out``."""
+
+    @abstractmethod
+    def start_reduce_scatter(self, group: Group, buf: Buffer, out: Buffer, op: ReduceOp) -> Request:
+        """Reduce members' ``buf``; chunk i of the result along dim 0 goes to member i's ``out``."""
+
+    @abstractmethod
+    def start_alltoall(self, group: Group, buf: Buffer, out: Buffer) -> Request:
+        """Chunk j of member i's ``buf`` goes to chunk i of member j's ``out``."""
+
+    @abstractmethod
+    def start_alltoallv(
+        self,
+        group: Group,
+        buf: Buffer,
+        send_counts: Sequence[int],
+        out: Buffer,
+        recv_counts: Sequence[int],
+    ) -> Request:
+        """Like alltoall with ``send_counts[j]`` rows to member j, ``recv_counts[i]`` from i."""
+
+    @abstractmethod
+    def start_barrier(self, group: Group) -> Request:
+        """Complete once every member has started its barrier."""
+
+    # Completion.
+
+    @abstractmethod
+    def test(self, requests: list[Request]) -> list[tuple[int, BaseException | None]]:
+        """Which of ``requests`` have finished: ``(index, None)`` or ``(index, error)``.
+
+        Never blocks; one call is also one step of the backend's progress where that matters.
+        """
+
+    def block(self, request: Request, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for ``request`` (``capabilities.blocking_wait`` only).
+
+        Called without the engine's lock, while nothing else is in flight; True if the request
+        has finished (``test`` then reports how). Never raises for a slow request.
+        """
+        return False
+
+    def cancel(self, request: Request) -> bool:
+        """Try to cancel an issued request; True if it will not complete. Default: cannot."""
+        return False
+
+    def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
+        """Release everything; the runtime calls it once, after the engine has drained."""

@@ -1,0 +1,300 @@
+"""The gloo backend: torch.distributed's ProcessGroupGloo, used directly, one per communicator.
+
+Quirks beyond the contract:
+- Process groups are made from the runtime's store under a prefix per communicator, by the
+  members alone: no world-wide ``new_group`` call, no default group, nothing global touched.
+  Each binds its sockets to the bootstrap's host (loopback on one host). Devices connect
+  lazily, so groups made in different orders on different ranks cannot deadlock.
+- Collectives run on gloo's own threads (``self_progressing``): pollers must yield the CPU to
+  them. Completion is ``Work.is_completed()``; a failed Work reports through ``Work.wait()``.
+- send, recv and reduce_scatter Work never report completion until ``wait()`` is called, and
+  a ``wait()`` with a short timeout breaks a send/recv pair for good; so each of those in
+  flight is waited on by a thread of a small pool (``_Waiters``), which marks it done. A single waiter thread taking
+  them in order was rejected: a later send's completion could then wait for an earlier
+  recv whose sender needs that completion first (a deadlock of a well-formed program).
+- gloo cannot move int16, uint16, uint32, uint64 or (in gather-type operations) complex
+  tensors; mcrdl moves them as bit-identical views (float16, int32, int64, real pairs).
+  They do not reduce, except complex SUM and AVG.
+- gloo's reduce overwrites non-root inputs; non-roots reduce from a scratch copy instead.
+- Numpy buffers travel as ``torch.from_numpy`` views (zero copy).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import queue
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from .._errors import BackendError
+from .._types import DType, OpKind, ReduceOp
+from ._contract import Backend, Bootstrap, Capabilities, Request
+
+if TYPE_CHECKING:
+    from .._buffers import Buffer
+
+__all__ = ["GlooBackend"]
+
+_NATIVE_ORDERED = frozenset({DType.BOOL, DType.UINT8, DType.INT8, DType.INT32, DType.INT64,
+                             DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64})
+_COMPLEX = frozenset({DType.COMPLEX64, DType.COMPLEX128})
+_FLOATS = frozenset({DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64})
+#: Bit-identical stand-ins for the dtypes gloo cannot move (torch dtype names).
+_MOVE_AS = {DType.INT16: "float16", DType.UINT16: "float16", DType.UINT32: "int32",
+            DType.UINT64: "int64"}
+
+
+class _GlooGroup:
+    __slots__ = ("pg", "rank", "size")
+
+    def __init__(self, pg: Any, rank: int, size: int) -> None:
+        self.pg = pg
+        self.rank = rank
+        self.size = size
+
+    def __repr__(self) -> str:
+        return f"<gloo group rank={self.rank}/{self.size}>"
+
+
+class _Waited:
+    """A Work that cannot be polled, being waited on by a pool thread."""
+
+    __slots__ = ("work", "done", "error", "event")
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+        self.done = False
+        self.error: BaseException | None = None
+        self.event = threading.Event()
+
+
+class _Waiters:
+    """Threads that block in ``Work.wait()`` (which releases the GIL) for unpollable Work.
+
+    Invariants: there are at least as many threads as jobs outstanding, so no job waits
+    behind another.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[_Waited | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._outstanding = 0
+        self._threads = 0
+
+    def submit(self, work: Any) -> _Waited:
+        job = _Waited(work)
+        with self._lock:
+            self._outstanding += 1
+            spawn = self._outstanding > self._threads
+            if spawn:
+                self._threads += 1
+        if spawn:
+            threading.Thread(target=self._run, name="mcrdl-gloo-p2p", daemon=True).start()
+        self._jobs.put(job)
+        return job
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job.work.wait()
+            except Exception as exc:  # noqa: BLE001 - reported through test()
+                job.error = BackendError(f"gloo: {exc}")
+            job.work = None
+            with self._lock:
+                self._outstanding -= 1
+            job.done = True
+            job.event.set()
+
+    def close(self) -> None:
+        with self._lock:
+            n = self._threads
+            self._threads = 0
+        for _ in range(n):
+            self._jobs.put(None)
+
+
+class GlooBackend(Backend):
+    """gloo through torch.distributed (see the module docstring for its quirks)."""
+
+    name = "gloo"
+    capabilities = Capabilities(
+        ops=frozenset(OpKind),
+        dtypes=frozenset(DType),
+        reductions={
+            ReduceOp.SUM: _NATIVE_ORDERED | _COMPLEX,
+            ReduceOp.PROD: _NATIVE_ORDERED,
+            ReduceOp.MIN: _NATIVE_ORDERED,
+            ReduceOp.MAX: _NATIVE_ORDERED,
+            ReduceOp.AVG: _FLOATS | _COMPLEX,
+        },
+        cancel=False,
+        self_progressing=True,
+        blocking_wait=True,
+    )
+
+    @classmethod
+    def is_available(cls) -> bool:
+        if importlib.util.find_spec("torch") is None:
+            return False
+        try:
+            import torch.distributed as dist
+
+            return bool(dist.is_available() and dist.is_gloo_available())
+        except Exception:  # noqa: BLE001 - is_available never raises
+            return False
+
+    def __init__(self, bootstrap: Bootstrap) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch._C._distributed_c10d import ProcessGroupGloo
+
+        self._torch = torch
+        self._dist = dist
+        self._PG = ProcessGroupGloo
+        self._store = bootstrap.store()
+        self._host = bootstrap.host
+        self._timeout = datetime.timedelta(seconds=bootstrap.timeout)
+        self._waiters = _Waiters()
+        self._move_as = {dt: getattr(torch, name) for dt, name in _MOVE_AS.items()}
+        red = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.PROD: dist.ReduceOp.PRODUCT,
+               ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX,
+               ReduceOp.AVG: dist.ReduceOp.AVG}
+        self._red = red
+        self._allreduce_opts = {}
+        for op, r in red.items():
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = r
+            self._allreduce_opts[op] = opts
+        self._world = self._make(f"world/{bootstrap.size}", bootstrap.rank, bootstrap.size)
+
+    def _make(self, tag: str, rank: int, size: int) -> _GlooGroup:
+        opts = self._PG._Options()
+        opts._devices = [self._PG.create_device(hostname=self._host, lazy_init=True)]
+        opts._threads = 2
+        opts._timeout = self._timeout
+        store = self._dist.PrefixStore(f"mcrdl/{tag}", self._store)
+        return _GlooGroup(self._PG(store, rank, size, opts), rank, size)
+
+    # -- groups --------------------------------------------------------------------------
+
+    def world(self) -> _GlooGroup:
+        return self._world
+
+    def create_group(self, parent: _GlooGroup, members: Sequence[int], tag: str) -> _GlooGroup:
+        return self._make(tag, list(members).index(parent.rank), len(members))
+
+    def free_group(self, group: _GlooGroup) -> None:
+        group.pg = None
+
+    def close(self) -> None:
+        self._waiters.close()
+        self._world.pg = None
+        self._store = None
+
+    # -- views ---------------------------------------------------------------------------
+
+    def _moved(self, buf: Buffer) -> Any:
+        """``buf`` as a tensor gloo can move byte for byte."""
+        t = buf.torch()
+        dt = buf.dtype
+        if dt in _COMPLEX:
+            return self._torch.view_as_real(t)
+        stand_in = self._move_as.get(dt)
+        return t if stand_in is None else t.view(stand_in)
+
+    # -- operations ----------------------------------------------------------------------
+
+    def start_send(self, group: _GlooGroup, buf: Buffer, dst: int, tag: int) -> Request:
+        return self._waiters.submit(group.pg.send([buf.torch()], dst, tag))
+
+    def start_recv(self, group: _GlooGroup, buf: Buffer, src: int, tag: int) -> Request:
+        return self._waiters.submit(group.pg.recv([buf.torch()], src, tag))
+
+    def start_broadcast(self, group: _GlooGroup, buf: Buffer, root: int) -> Request:
+        opts = self._dist.BroadcastOptions()
+        opts.rootRank = root
+        return group.pg.broadcast([self._moved(buf)], opts)
+
+    def start_reduce(self, group: _GlooGroup, buf: Buffer, root: int, op: ReduceOp) -> Request:
+        opts = self._dist.ReduceOptions()
+        opts.reduceOp = self._red[op]
+        opts.rootRank = root
+        t = buf.torch()
+        return group.pg.reduce([t if group.rank == root else t.clone()], opts)
+
+    def start_allreduce(self, group: _GlooGroup, buf: Buffer, op: ReduceOp) -> Request:
+        return group.pg.allreduce([buf.torch()], self._allreduce_opts[op])
+
+    def start_gather(
+        self, group: _GlooGroup, buf: Buffer, out: Buffer | None, root: int
+    ) -> Request:
+        opts = self._dist.GatherOptions()
+        opts.rootRank = root
+        outputs = [list(self._moved(out).chunk(group.size))] if out is not None else []
+        return group.pg.gather(outputs, [self._moved(buf)], opts)
+
+    def start_allgather(self, group: _GlooGroup, buf: Buffer, out: Buffer) -> Request:
+        return group.pg._allgather_base(self._moved(out), self._moved(buf))
+
+    def start_scatter(
+        self, group: _GlooGroup, buf: Buffer | None, out: Buffer, root: int
+    ) -> Request:
+        opts = self._dist.ScatterOptions()
+        opts.rootRank = root
+        inputs = [list(self._moved(buf).chunk(group.size))] if buf is not None else []
+        return group.pg.scatter([self._moved(out)], inputs, opts)
+
+    def start_reduce_scatter(
+        self, group: _GlooGroup, buf: Buffer, out: Buffer, op: ReduceOp
+    ) -> Request:
+        if group.size == 1:  # gloo's reduce_scatter never completes on one rank
+            out.torch().copy_(buf.torch())
+            return None
+        opts = self._dist.ReduceScatterOptions()
+        opts.reduceOp = self._red[op]
+        return self._waiters.submit(group.pg._reduce_scatter_base(out.torch(), buf.torch(), opts))
+
+    def start_alltoall(self, group: _GlooGroup, buf: Buffer, out: Buffer) -> Request:
+        return group.pg.alltoall_base(self._moved(out), self._moved(buf), [], [])
+
+    def start_alltoallv(
+        self,
+        group: _GlooGroup,
+        buf: Buffer,
+        send_counts: Sequence[int],
+        out: Buffer,
+        recv_counts: Sequence[int],
+    ) -> Request:
+        return group.pg.alltoall_base(self._moved(out), self._moved(buf), list(recv_counts),
+                                      list(send_counts))
+
+    def start_barrier(self, group: _GlooGroup) -> Request:
+        return group.pg.barrier(self._dist.BarrierOptions())
+
+    # -- completion ----------------------------------------------------------------------
+
+    def test(self, requests: list[Request]) -> list[tuple[int, BaseException | None]]:
+        out: list[tuple[int, BaseException | None]] = []
+        for i, work in enumerate(requests):
+            if type(work) is _Waited:
+                if work.done:
+                    out.append((i, work.error))
+            elif work.is_completed():
+                try:
+                    work.wait()
+                except Exception as exc:  # noqa: BLE001 - the Work's failure, reported as ours
+                    out.append((i, BackendError(f"gloo: {exc}")))
+                else:
+                    out.append((i, None))
+        return out
+
+    def block(self, request: Request, timeout: float) -> bool:
+        if type(request) is _Waited:
+            return request.event.wait(timeout)
+        try:
+            request.wait(datetime.timedelta(seconds=timeout))
+        except Exception:  # noqa: BLE001 - a slice that ran out, or a failure test() reports
+            return bool(request.is_completed())
+        return True

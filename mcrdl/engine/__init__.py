@@ -1,0 +1,8 @@
+"""The progress engine: futures, the dependency DAG, lanes, and the drivers that poll them."""
+
+from ._drivers import PollPolicy
+from ._future import CommFuture
+from ._lanes import Lane, OpRecord, flight_record
+from ._progress import Engine, EngineStats
+
+__all__ = ["CommFuture", "Engine", "EngineStats", "Lane", "OpRecord", "PollPolicy", "flight_record"]

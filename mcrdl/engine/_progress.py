@@ -1,0 +1,540 @@
+"""The progress engine: the only code that issues operations, tests requests and resolves futures.
+
+One engine per runtime. Operations arrive through ``submit`` with their lane, their byte
+ranges and their explicit ``after=`` edges; the engine turns those into DAG edges (see
+``_hazards``), issues each lane's operations in submission order once their dependencies have
+finished, and resolves futures as the backends report completion in ``poll_once``. Everything
+that mutates engine state runs under one lock, so that a backend is only ever called by one
+thread at a time (MPI can then run at thread level SERIALIZED, which halves its small-message
+cost here). Who calls ``poll_once`` is the drivers' business (``_drivers``): the thread that
+waits, an asyncio task that awaits, or the background thread while nobody waits.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .._errors import (
+    BackendError,
+    CommTimeoutError,
+    DependencyFailedError,
+    FutureCancelledError,
+    InvalidStateError,
+    RuntimeFinalizedError,
+)
+from . import _drivers
+from ._future import CANCELLED, DONE, FAILED, ISSUED, PENDING, STATE_NAMES, CommFuture
+from ._hazards import HazardIndex
+from ._lanes import Lane, OpRecord, flight_record
+
+if TYPE_CHECKING:
+    from ..backends import Backend
+
+__all__ = ["Engine", "EngineStats"]
+
+Ranges = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters of one engine since it started.
+
+    Attributes:
+        submitted, issued, completed, failed, cancelled: operations by what happened to them.
+        pending: submitted, not yet issued (waiting for dependencies or their lane).
+        in_flight: issued, not yet finished.
+        polls: calls of ``poll_once`` that ran (took the lock).
+        lanes: lanes created.
+    """
+
+    submitted: int
+    issued: int
+    completed: int
+    failed: int
+    cancelled: int
+    pending: int
+    in_flight: int
+    polls: int
+    lanes: int
+
+
+class _Track:
+    """The issued, unfinished requests of one backend, in parallel lists for batch testing."""
+
+    __slots__ = ("backend", "futs", "reqs", "self_progressing")
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.futs: list[CommFuture] = []
+        self.reqs: list[Any] = []
+        self.self_progressing = backend.capabilities.self_progressing
+
+
+class Engine:
+    """Issues operations in lane order as their dependencies finish, and resolves their futures.
+
+    Invariants:
+    - ``poll_once`` and every state change run under ``_lock``; callbacks run after it is
+      released.
+    - every unfinished future is in exactly one place: its lane's ``pending`` (PENDING) or its
+      backend's ``_Track`` (ISSUED); ``_unfinished`` counts them.
+    - dependency edges point from a future to futures submitted before it (rule 3 of DESIGN.md),
+      so the wait-for graph of a rank is acyclic.
+    """
+
+    def __init__(
+        self,
+        *,
+        policy: _drivers.PollPolicy | None = None,
+        background: bool = True,
+        timeout: float | None = None,
+        on_timeout: Callable[[list[CommFuture], str], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._lock = threading.Lock()
+        self._clock = clock
+        self._hazards = HazardIndex()
+        self._tracks: dict[Backend, _Track] = {}
+        self._track_list: list[_Track] = []
+        self._lanes: dict[tuple[str, str], Lane] = {}
+        self._due: list[tuple[Callable[[CommFuture], object], CommFuture]] = []
+        self._work: deque[tuple[CommFuture, BaseException | None]] = deque()
+        self._unfinished = 0
+        self._closed = False
+        self._closed_why = ""
+        self.policy = policy or _drivers.PollPolicy()
+        #: Seconds an issued operation may stay unfinished before it fails (None: forever).
+        self.timeout = timeout
+        self._on_timeout = on_timeout
+        self._next_check = 0.0
+        #: Number of threads or tasks driving progress in a wait right now.
+        self.drivers = 0
+        self._n_submitted = self._n_issued = self._n_completed = 0
+        self._n_failed = self._n_cancelled = self._n_polls = 0
+        self._thread: _drivers.ProgressThread | None = (
+            _drivers.ProgressThread(self) if background else None
+        )
+
+    # -- lanes ---------------------------------------------------------------------------
+
+    def lane(self, backend: Backend, group: Any, comm_name: str) -> Lane:
+        """The lane of ``backend`` on the communicator ``comm_name`` (made on first use)."""
+        key = (backend.name, comm_name)
+        lane = self._lanes.get(key)
+        if lane is None:
+            with self._lock:
+                lane = self._lanes.get(key)
+                if lane is None:
+                    lane = self._lanes[key] = Lane(backend, group, comm_name)
+                    if backend not in self._tracks:
+                        track = self._tracks[backend] = _Track(backend)
+                        self._track_list.append(track)
+        return lane
+
+    def lanes(self) -> list[Lane]:
+        """Every lane, in creation order."""
+        return list(self._lanes.values())
+
+    @property
+    def lock(self) -> threading.Lock:
+        """The engine's lock: hold it for any direct call into a backend outside the engine."""
+        return self._lock
+
+    # -- submission ----------------------------------------------------------------------
+
+    def submit(
+        self,
+        kind: str,
+        lane: Lane,
+        seq: int,
+        start: Callable[..., Any],
+        args: tuple[Any, ...],
+        reads: Ranges,
+        writes: Ranges,
+        result: Any,
+        *,
+        finish: Callable[[CommFuture], None] | None = None,
+        after: Iterable[CommFuture] = (),
+        nbytes: int = 0,
+    ) -> CommFuture:
+        """Add an operation; issue it at once if its lane and dependencies allow.
+
+        ``start(*args)`` issues it and returns the backend's request; ``reads`` and ``writes``
+        are the byte ranges it touches; ``result`` is what the future resolves to; ``finish``
+        runs on success before the future resolves (e.g. the division of an emulated AVG).
+        """
+        if after:
+            after = self._check_after(after)
+        fut = CommFuture(self, kind, lane)
+        fut.seq = seq
+        fut._start = start
+        fut._args = args
+        fut._reads = reads
+        fut._writes = writes
+        fut._result = result
+        fut._finish = finish
+        fut.nbytes = nbytes
+        fut.t_submit = self._clock()
+        with self._lock:
+            if self._closed:
+                raise RuntimeFinalizedError(
+                    f"cannot submit {kind}: the runtime was finalized ({self._closed_why})"
+                )
+            self._n_submitted += 1
+            self._unfinished += 1
+            hazards = self._hazards
+            deps = hazards.conflicts(reads, writes) if hazards else None
+            if after:
+                deps = self._after_edges(fut, after, deps)
+            if deps is None and after:
+                pass  # an after= dependency failed already: fut is queued to fail with it
+            else:
+                if reads or writes:
+                    hazards.add(fut, reads, writes)
+                if deps:
+                    fut._deps_left = len(deps)
+                    for dep in deps:
+                        dependants = dep._dependants
+                        if dependants is None:
+                            dep._dependants = [fut]
+                        else:
+                            dependants.append(fut)
+                    lane.pending.append(fut)
+                elif lane.pending:
+                    lane.pending.append(fut)
+                else:
+                    self._issue(fut)
+            if self._work:
+                self._run_work()
+        if self._due:
+            self._flush_due()
+        thread = self._thread
+        if thread is not None and thread.parked:
+            thread.wake()
+        return fut
+
+    def _check_after(self, after: Iterable[CommFuture]) -> tuple[CommFuture, ...]:
+        after = tuple(after)
+        for dep in after:
+            if not isinstance(dep, CommFuture):
+                raise TypeError(
+                    f"after= takes CommFutures, got {type(dep).__qualname__}: {dep!r}"
+                )
+            if dep._engine is not self:
+                raise ValueError(f"after= got {dep!r}, a future of another runtime")
+        return after
+
+    def _after_edges(
+        self, fut: CommFuture, after: Iterable[CommFuture], deps: dict[CommFuture, None] | None
+    ) -> dict[CommFuture, None] | None:
+        """Add ``after=`` edges to ``deps``; None (and ``fut`` failed) if one failed already."""
+        deps = dict(deps) if deps else {}
+        for dep in after:
+            state = dep._state
+            if state < DONE:
+                deps[dep] = None
+            elif state != DONE:
+                self._work.append((fut, DependencyFailedError(
+                    f"{fut.kind}#{fut.seq} on {fut.lane.backend_name} depends on "
+                    f"{dep.kind}#{dep.seq}, which {STATE_NAMES[state].lower()}: {dep._error}"
+                )))
+                return None
+        return deps
+
+    # -- issuing and settling (lock held) ------------------------------------------------
+
+    def _issue(self, fut: CommFuture) -> None:
+        try:
+            req = fut._start(*fut._args)
+        except Exception as exc:  # a backend refusing at start fails the future, not the process
+            lane = fut.lane
+            err = BackendError(f"{fut.kind}#{fut.seq} on {lane.backend_name} failed to start: {exc}")
+            err.__cause__ = exc
+            self._work.append((fut, err))
+            return
+        self._n_issued += 1
+        fut.t_issue = self._clock()
+        if req is None:
+            fut._state = ISSUED
+            self._work.append((fut, None))
+            return
+        fut._state = ISSUED
+        fut._request = req
+        track = self._tracks[fut.lane.backend]
+        track.futs.append(fut)
+        track.reqs.append(req)
+
+    def _pump(self, lane: Lane) -> None:
+        """Issue the lane's head operations, in order, while their dependencies are met."""
+        pending = lane.pending
+        while pending:
+            head = pending[0]
+            if head._state != PENDING:  # failed or cancelled while waiting: skip it
+                pending.popleft()
+                continue
+            if head._deps_left:
+                return
+            pending.popleft()
+            self._issue(head)
+
+    def _run_work(self) -> None:
+        """Settle the queued completions, and everything they release, iteratively."""
+        work = self._work
+        while work:
+            fut, error = work.popleft()
+            self._settle(fut, error)
+
+    def _settle(self, fut: CommFuture, error: BaseException | None) -> None:
+        state = fut._state
+        if state >= DONE:
+            return
+        if error is None and fut._finish is not None:
+            try:
+                fut._finish(fut)
+            except Exception as exc:
+                error = BackendError(f"{fut.kind}#{fut.seq}: finishing step failed: {exc}")
+                error.__cause__ = exc
+        fut.t_done = now = self._clock()
+        if fut._reads or fut._writes:
+            self._hazards.remove(fut, fut._reads, fut._writes, normal=error is None)
+        self._unfinished -= 1
+        lane = fut.lane
+        if error is None:
+            fut._state = DONE
+            self._n_completed += 1
+        else:
+            if isinstance(error, FutureCancelledError):
+                fut._state = CANCELLED
+                self._n_cancelled += 1
+            else:
+                fut._state = FAILED
+                self._n_failed += 1
+            fut._error = error
+            fut._result = None
+        lane.history.append(
+            OpRecord(fut.kind, fut.seq, STATE_NAMES[fut._state], fut.nbytes, fut.t_submit,
+                     fut.t_issue, now, fut.detail)
+        )
+        fut._start = fut._args = fut._request = fut._finish = None
+        callbacks = fut._callbacks
+        fut._callbacks = None
+        if callbacks:
+            self._due.extend((cb, fut) for cb in callbacks)
+        if state == PENDING and lane.pending and lane.pending[0] is fut:
+            self._pump(lane)
+        dependants = fut._dependants
+        if dependants:
+            fut._dependants = None
+            if error is None:
+                for dep in dependants:
+                    dep._deps_left -= 1
+                    if dep._deps_left == 0 and dep._state == PENDING:
+                        dlane = dep.lane
+                        if dlane.pending and dlane.pending[0] is dep:
+                            self._pump(dlane)
+            else:
+                for dep in dependants:
+                    if dep._state < DONE:
+                        self._work.append(
+                            (dep, DependencyFailedError(
+                                f"{dep.kind}#{dep.seq} on {dep.lane.backend_name} depends on "
+                                f"{fut.kind}#{fut.seq}, which {STATE_NAMES[fut._state].lower()}: "
+                                f"{error}"
+                            ))
+                        )
+
+    def _flush_due(self) -> None:
+        due, self._due = self._due, []
+        for cb, fut in due:
+            cb(fut)
+
+    # -- progress ------------------------------------------------------------------------
+
+    def poll_once(self) -> bool:
+        """Test every backend's in-flight requests once and resolve what finished.
+
+        Returns True if anything finished. Returns False at once if another thread is
+        polling (the lock is busy): that thread is making the same progress.
+        """
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self._n_polls += 1
+            progressed = False
+            for track in self._track_list:
+                reqs = track.reqs
+                if not reqs:
+                    continue
+                done = track.backend.test(reqs)
+                if not done:
+                    continue
+                progressed = True
+                futs = track.futs
+                finished = [(futs[i], err) for i, err in done]
+                if len(finished) == len(futs):
+                    track.futs = []
+                    track.reqs = []
+                else:
+                    gone = {i for i, _ in done}
+                    track.futs = [f for i, f in enumerate(futs) if i not in gone]
+                    track.reqs = [r for i, r in enumerate(reqs) if i not in gone]
+                self._work.extend(finished)
+                self._run_work()
+        finally:
+            self._lock.release()
+        if self._due:
+            self._flush_due()
+        return progressed
+
+    def in_flight(self) -> int:
+        """Operations submitted and not yet finished (issued or not)."""
+        return self._unfinished
+
+    def spin_ok(self) -> bool:
+        """Whether a waiter may spin: no in-flight backend needs the CPU for its own threads."""
+        if self.policy.oversubscribed:
+            return False
+        for track in self._track_list:
+            if track.self_progressing and track.reqs:
+                return False
+        return True
+
+    def wait_for(self, fut: CommFuture, timeout: float | None = None) -> None:
+        """Drive progress from this thread until ``fut`` is done (see ``_drivers.wait``)."""
+        if self._closed and fut._state < DONE:
+            raise RuntimeFinalizedError(
+                f"cannot wait on {fut!r}: the runtime was finalized ({self._closed_why})"
+            )
+        _drivers.wait(self, fut, timeout)
+
+    def drive_async(self, fut: CommFuture) -> Generator[Any, None, None]:
+        """The body of ``await fut``: poll from the running event loop until ``fut`` is done."""
+        if self._closed and fut._state < DONE:
+            raise RuntimeFinalizedError(
+                f"cannot await {fut!r}: the runtime was finalized ({self._closed_why})"
+            )
+        return _drivers.drive_async(self, fut)
+
+    def wake_background(self) -> None:
+        """Let the background thread poll (called when a driver leaves with work in flight)."""
+        thread = self._thread
+        if thread is not None and thread.parked:
+            thread.wake()
+
+    def check_deadlines(self, now: float) -> None:
+        """Fail issued operations older than ``timeout`` with CommTimeoutError (rate-limited)."""
+        timeout = self.timeout
+        if timeout is None or now < self._next_check:
+            return
+        self._next_check = now + min(timeout / 8, 0.25)
+        limit = now - timeout
+        with self._lock:
+            expired = [f for t in self._track_list for f in t.futs if f.t_issue < limit]
+            if not expired:
+                return
+            record = flight_record(self)
+            for track in self._track_list:
+                keep = [i for i, f in enumerate(track.futs) if f.t_issue >= limit]
+                if len(keep) != len(track.futs):
+                    for i, f in enumerate(track.futs):
+                        if f.t_issue < limit:
+                            track.backend.cancel(track.reqs[i])
+                    track.futs = [track.futs[i] for i in keep]
+                    track.reqs = [track.reqs[i] for i in keep]
+            for fut in expired:
+                self._work.append((fut, CommTimeoutError(
+                    f"{fut.kind}#{fut.seq} on lane {fut.lane.backend_name}:{fut.lane.comm_name} "
+                    f"(rank {fut.lane.rank} of {fut.lane.size}) did not finish within "
+                    f"{timeout:g} s of being issued{fut.detail and ' (' + fut.detail + ')'}; "
+                    "the peers it needs have not all arrived"
+                )))
+            self._run_work()
+        self._flush_due()
+        if self._on_timeout is not None:
+            self._on_timeout(expired, record)
+
+    # -- cancellation --------------------------------------------------------------------
+
+    def cancel(self, fut: CommFuture) -> bool:
+        """See `CommFuture.cancel`."""
+        with self._lock:
+            state = fut._state
+            if state >= DONE:
+                return False
+            if state == ISSUED:
+                track = self._tracks[fut.lane.backend]
+                backend = fut.lane.backend
+                if not backend.capabilities.cancel or not backend.cancel(fut._request):
+                    raise InvalidStateError(
+                        f"cannot cancel {fut!r}: it was issued already and "
+                        f"{backend.name} cannot cancel issued operations"
+                    )
+                i = track.futs.index(fut)
+                del track.futs[i]
+                del track.reqs[i]
+            self._work.append((fut, FutureCancelledError(f"{fut.kind}#{fut.seq} was cancelled")))
+            self._run_work()
+        self._flush_due()
+        return True
+
+    # -- shutdown ------------------------------------------------------------------------
+
+    def fail_all(self, make_error: Callable[[CommFuture], BaseException]) -> int:
+        """Fail every unfinished future with ``make_error(fut)``; returns how many."""
+        with self._lock:
+            victims: list[CommFuture] = []
+            for track in self._track_list:
+                victims.extend(track.futs)
+                track.futs = []
+                track.reqs = []
+            for lane in self._lanes.values():
+                victims.extend(f for f in lane.pending if f._state == PENDING)
+                lane.pending.clear()
+            for fut in victims:
+                self._work.append((fut, make_error(fut)))
+            self._run_work()
+        self._flush_due()
+        return len(victims)
+
+    def close(self, why: str) -> None:
+        """Refuse further submissions and stop the background thread; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._closed_why = why
+        if self._thread is not None:
+            self._thread.stop()
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close`` ran."""
+        return self._closed
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's counters."""
+        with self._lock:
+            in_flight = sum(len(t.futs) for t in self._track_list)
+            return EngineStats(
+                submitted=self._n_submitted,
+                issued=self._n_issued,
+                completed=self._n_completed,
+                failed=self._n_failed,
+                cancelled=self._n_cancelled,
+                pending=self._unfinished - in_flight,
+                in_flight=in_flight,
+                polls=self._n_polls,
+                lanes=len(self._lanes),
+            )
+
+    def unfinished(self) -> list[CommFuture]:
+        """Every unfinished future: issued ones by backend, then pending ones by lane."""
+        with self._lock:
+            out = [f for t in self._track_list for f in t.futs]
+            out.extend(f for lane in self._lanes.values() for f in lane.pending if f._state == PENDING)
+            return out

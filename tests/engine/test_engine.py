@@ -1,0 +1,339 @@
+"""Engine tests: a manual backend whose operations finish only when the test says so.
+
+No threads, no sleeps: the test drives ``poll_once()`` and asserts on the recorded order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mcrdl import (
+    BackendError,
+    CommTimeoutError,
+    DependencyFailedError,
+    FutureCancelledError,
+    InvalidStateError,
+    RuntimeFinalizedError,
+)
+from mcrdl.engine import Engine
+from tests.manual_backend import ManualBackend
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def engine(clock: Clock) -> Engine:
+    return Engine(background=False, clock=clock)
+
+
+@pytest.fixture
+def mpi() -> ManualBackend:
+    return ManualBackend(name="mpi")
+
+
+@pytest.fixture
+def gloo() -> ManualBackend:
+    return ManualBackend(name="gloo", self_progressing=True)
+
+
+def submit(engine, backend, kind, reads=(), writes=(), after=(), comm="world", result=None):
+    lane = engine.lane(backend, backend.world(), comm)
+    seq = submit.seq = getattr(submit, "seq", 0) + 1
+    return engine.submit(kind, lane, seq, getattr(backend, f"start_{kind}"), (kind,),
+                         tuple(reads), tuple(writes), result, after=after)
+
+
+def finish(engine, backend, i, error=None):
+    backend.finish(backend.started[i], error)
+    engine.poll_once()
+
+
+A = (0x1000, 0x1100)  # a buffer's byte range
+B = (0x2000, 0x2100)
+A_HALF = (0x1080, 0x1100)  # overlaps the second half of A
+
+
+def test_issues_at_submit_when_lane_idle_and_no_dependencies(engine, mpi):
+    f = submit(engine, mpi, "allreduce", writes=[A])
+    assert f.state == "ISSUED"
+    assert mpi.events == [("start", "allreduce")]
+    finish(engine, mpi, 0)
+    assert f.done() and f.result() is None
+
+
+def test_independent_ops_on_one_lane_are_all_in_flight(engine, mpi):
+    fs = [submit(engine, mpi, "allreduce", writes=[(0x1000 * i, 0x1000 * i + 8)])
+          for i in range(1, 4)]
+    assert [f.state for f in fs] == ["ISSUED"] * 3
+
+
+def test_read_after_write_across_backends_waits_for_completion(engine, mpi, gloo):
+    w = submit(engine, gloo, "allreduce", writes=[A])
+    r = submit(engine, mpi, "alltoall", reads=[A], writes=[B])
+    assert r.state == "PENDING" and mpi.started == []
+    finish(engine, gloo, 0)
+    assert w.state == "DONE" and r.state == "ISSUED"
+
+
+def test_write_after_read_and_write_after_write(engine, mpi, gloo):
+    r = submit(engine, mpi, "send", reads=[A])
+    w = submit(engine, gloo, "recv", writes=[A])
+    w2 = submit(engine, mpi, "broadcast", writes=[A])
+    assert (r.state, w.state, w2.state) == ("ISSUED", "PENDING", "PENDING")
+    finish(engine, mpi, 0)
+    assert (w.state, w2.state) == ("ISSUED", "PENDING")
+    finish(engine, gloo, 0)
+    assert w2.state == "ISSUED"
+
+
+def test_reads_do_not_order_reads(engine, mpi, gloo):
+    submit(engine, mpi, "send", reads=[A])
+    f = submit(engine, gloo, "send", reads=[A])
+    assert f.state == "ISSUED"
+
+
+def test_partial_overlap_is_a_hazard(engine, mpi, gloo):
+    submit(engine, mpi, "recv", writes=[A])
+    f = submit(engine, gloo, "send", reads=[A_HALF])
+    g = submit(engine, gloo, "send", reads=[(A[1], A[1] + 8)])  # adjacent, not overlapping
+    assert f.state == "PENDING"
+    assert g.state == "PENDING"  # behind f on the gloo lane: no overtaking
+    finish(engine, mpi, 0)
+    assert f.state == g.state == "ISSUED"
+
+
+def test_no_overtaking_in_a_lane(engine, mpi, gloo):
+    submit(engine, gloo, "allreduce", writes=[A])
+    blocked = submit(engine, mpi, "allreduce", writes=[A])
+    ready = submit(engine, mpi, "allreduce", writes=[B])
+    assert blocked.state == "PENDING" and ready.state == "PENDING"
+    assert mpi.started == []
+    finish(engine, gloo, 0)
+    assert [r.args for r in mpi.started] == [("allreduce",), ("allreduce",)]
+    assert blocked.state == ready.state == "ISSUED"
+
+
+def test_lanes_of_different_communicators_are_independent(engine, mpi, gloo):
+    submit(engine, gloo, "allreduce", writes=[A])
+    submit(engine, mpi, "allreduce", writes=[A], comm="world")
+    other = submit(engine, mpi, "allreduce", writes=[B], comm="world.1c0")
+    assert other.state == "ISSUED"
+
+
+def test_after_edges(engine, mpi, gloo):
+    first = submit(engine, gloo, "barrier")
+    second = submit(engine, mpi, "barrier", after=[first])
+    assert second.state == "PENDING"
+    finish(engine, gloo, 0)
+    assert second.state == "ISSUED"
+
+
+def test_after_a_failed_future_fails_at_once(engine, mpi):
+    bad = submit(engine, mpi, "barrier")
+    finish(engine, mpi, 0, RuntimeError("boom"))
+    f = submit(engine, mpi, "barrier", after=[bad])
+    assert f.state == "FAILED"
+    with pytest.raises(DependencyFailedError, match=r"depends on barrier#\d+, which failed: boom"):
+        f.result()
+    assert len(mpi.started) == 1
+
+
+def test_after_rejects_non_futures(engine, mpi):
+    with pytest.raises(TypeError, match=r"^after= takes CommFutures, got int: 3$"):
+        submit(engine, mpi, "barrier", after=[3])
+    assert engine.stats().submitted == 0
+
+
+def test_failure_propagates_to_exactly_the_dependants(engine, mpi, gloo):
+    src = submit(engine, gloo, "allreduce", writes=[A])
+    dep = submit(engine, mpi, "send", reads=[A])
+    dep2 = submit(engine, mpi, "broadcast", writes=[B], after=[dep])
+    independent = submit(engine, gloo, "allreduce", writes=[(0x9000, 0x9008)])
+    lane_successor = submit(engine, gloo, "barrier")
+    finish(engine, gloo, 0, RuntimeError("gloo exploded"))
+    assert src.state == "FAILED"
+    assert isinstance(src.exception(), RuntimeError)
+    assert dep.state == "FAILED" and isinstance(dep.exception(), DependencyFailedError)
+    assert dep2.state == "FAILED" and isinstance(dep2.exception(), DependencyFailedError)
+    assert independent.state == "ISSUED"
+    assert lane_successor.state == "ISSUED"
+    assert mpi.started == []
+
+
+def test_backend_start_error_fails_only_that_future(engine, mpi):
+    mpi.fail_start = "invalid communicator"
+    bad = submit(engine, mpi, "allreduce", writes=[A])
+    mpi.fail_start = None
+    good = submit(engine, mpi, "allreduce", writes=[B])
+    assert bad.state == "FAILED"
+    with pytest.raises(BackendError, match=r"failed to start: invalid communicator$"):
+        bad.result()
+    assert good.state == "ISSUED"
+
+
+def test_cancel_pending_fails_dependants(engine, mpi, gloo):
+    submit(engine, gloo, "allreduce", writes=[A])
+    victim = submit(engine, mpi, "allreduce", writes=[A])
+    dependant = submit(engine, mpi, "send", reads=[A])
+    assert victim.cancel() is True
+    assert victim.cancelled() and victim.state == "CANCELLED"
+    with pytest.raises(FutureCancelledError):
+        victim.result()
+    assert isinstance(dependant.exception(), DependencyFailedError)
+    assert "cancelled" in str(dependant.exception())
+
+
+def test_cancel_issued_is_refused_when_backend_cannot(engine, mpi):
+    mpi.capabilities = type(mpi.capabilities)(
+        ops=mpi.capabilities.ops, dtypes=mpi.capabilities.dtypes, cancel=False)
+    f = submit(engine, mpi, "barrier")
+    with pytest.raises(InvalidStateError, match=r"cannot cancel .* it was issued already"):
+        f.cancel()
+    finish(engine, mpi, 0)
+    assert f.cancel() is False
+
+
+def test_cancelled_writer_does_not_hide_an_earlier_writer(engine, mpi, gloo):
+    # w1 in flight, w2 waits for it and is cancelled: a later reader must still wait for w1.
+    w1 = submit(engine, gloo, "allreduce", writes=[A])
+    w2 = submit(engine, mpi, "allreduce", writes=[A])
+    w2.cancel()
+    reader = submit(engine, mpi, "send", reads=[A], comm="other")
+    assert reader.state == "PENDING"
+    finish(engine, gloo, 0)
+    assert w1.state == "DONE" and reader.state == "ISSUED"
+
+
+def test_callbacks_run_once_and_late_ones_at_once(engine, mpi):
+    seen = []
+    f = submit(engine, mpi, "barrier")
+    f.add_done_callback(lambda fut: seen.append(("early", fut.state)))
+    finish(engine, mpi, 0)
+    engine.poll_once()
+    f.add_done_callback(lambda fut: seen.append(("late", fut.state)))
+    assert seen == [("early", "DONE"), ("late", "DONE")]
+
+
+def test_callbacks_may_submit(engine, mpi):
+    out = []
+    f = submit(engine, mpi, "barrier")
+    f.add_done_callback(lambda _: out.append(submit(engine, mpi, "barrier")))
+    finish(engine, mpi, 0)
+    assert out and out[0].state == "ISSUED"
+
+
+def test_result_before_done_is_invalid_state(engine, mpi):
+    f = submit(engine, mpi, "barrier")
+    with pytest.raises(InvalidStateError, match=r"has not finished; use wait\(\) or await it$"):
+        f.result()
+    with pytest.raises(InvalidStateError):
+        f.exception()
+
+
+def test_long_chain_settles_without_recursion(engine, mpi):
+    class Sync(ManualBackend):
+        def _start(self, op, *args):
+            return None  # finished during start
+
+    sync = Sync(name="sync")
+    head = submit(engine, mpi, "allreduce", writes=[A])
+    chain = [submit(engine, sync, "allreduce", writes=[A]) for _ in range(5000)]
+    assert chain[-1].state == "PENDING"
+    finish(engine, mpi, 0)
+    assert head.state == "DONE" and all(f.state == "DONE" for f in chain)
+    assert engine.stats().in_flight == 0 and engine.in_flight() == 0
+
+
+def test_timeout_fails_old_ops_and_dumps_flight_record(clock, mpi):
+    dumps = []
+    engine = Engine(background=False, clock=clock, timeout=5.0,
+                    on_timeout=lambda expired, record: dumps.append((expired, record)))
+    done = submit(engine, mpi, "barrier")
+    finish(engine, mpi, 0)
+    old = submit(engine, mpi, "allreduce", writes=[A])
+    clock.now += 3
+    young = submit(engine, mpi, "allreduce", writes=[B])
+    engine.check_deadlines(clock.now)
+    assert old.state == young.state == "ISSUED"
+    clock.now += 2.5
+    engine.check_deadlines(clock.now)
+    assert old.state == "FAILED" and young.state == "ISSUED" and done.state == "DONE"
+    err = old.exception()
+    assert isinstance(err, CommTimeoutError) and isinstance(err, TimeoutError)
+    assert f"allreduce#{old.seq} on lane mpi:world (rank 0 of 1) did not finish within 5 s" in str(err)
+    [(expired, record)] = dumps
+    assert expired == [old]
+    assert "lane mpi:world rank 0/1" in record
+    assert f"barrier#{done.seq}" in record and "DONE" in record
+    assert f"allreduce#{young.seq}" in record and "ISSUED" in record
+
+
+def test_wait_timeout_leaves_the_future_in_flight(engine, mpi):
+    f = submit(engine, mpi, "barrier")
+    with pytest.raises(TimeoutError, match=r"did not finish within 0.001 s; it is still in flight"):
+        f.wait(timeout=0.001)
+    assert f.state == "ISSUED"
+    mpi.finish(mpi.started[0])
+    assert f.wait() is None
+
+
+def test_wait_drives_progress_itself(engine, mpi):
+    f = submit(engine, mpi, "allreduce", writes=[A], result="buf")
+    mpi.finish(mpi.started[0])  # finished in the backend, not yet seen by the engine
+    assert f.state == "ISSUED"
+    assert f.wait() == "buf"
+
+
+def test_await_drives_progress_from_the_loop(engine, mpi):
+    f = submit(engine, mpi, "allreduce", writes=[A], result="buf")
+
+    async def main():
+        async def finisher():
+            for _ in range(3):
+                await asyncio.sleep(0)
+            mpi.finish(mpi.started[0])
+
+        task = asyncio.ensure_future(finisher())
+        value = await f
+        await task
+        return value
+
+    assert asyncio.run(main()) == "buf"
+
+
+def test_fail_all_and_close(engine, mpi):
+    f = submit(engine, mpi, "barrier")
+    g = submit(engine, mpi, "barrier", after=[f])
+    n = engine.fail_all(lambda fut: RuntimeFinalizedError(f"finalized before {fut.kind}"))
+    assert n == 2
+    assert isinstance(f.exception(), RuntimeFinalizedError)
+    assert isinstance(g.exception(), (RuntimeFinalizedError, DependencyFailedError))
+    engine.close("test")
+    with pytest.raises(RuntimeFinalizedError, match=r"^cannot submit barrier: the runtime was finalized \(test\)$"):
+        submit(engine, mpi, "barrier")
+
+
+def test_stats_and_repr(engine, mpi, gloo):
+    f = submit(engine, gloo, "allreduce", writes=[A])
+    g = submit(engine, mpi, "allreduce", writes=[A])
+    assert repr(g) == f"<CommFuture allreduce#{g.seq} PENDING on mpi lane=world rank=0/1 deps=1>"
+    s = engine.stats()
+    assert (s.submitted, s.issued, s.pending, s.in_flight, s.lanes) == (2, 1, 1, 1, 2)
+    finish(engine, gloo, 0)
+    finish(engine, mpi, 0)
+    s = engine.stats()
+    assert (s.completed, s.pending, s.in_flight) == (2, 0, 0)
+    assert f.done()
