@@ -113,9 +113,9 @@ class Communicator:
         """The slot to run on, and whether AVG must be emulated (SUM, then divide)."""
         if self._closed or self._runtime.finalized:
             raise CommClosedError(
-                f"cannot {kind.value} on {self!r}: the communicator is closed"
-                if self._closed
-                else f"cannot {kind.value} on {self.name}: the runtime was finalized"
+                f"cannot {kind.value} on {self.name}: the runtime was finalized"
+                if self._runtime.finalized
+                else f"cannot {kind.value} on {self!r}: the communicator is closed"
             )
         key = (kind, dtype, op, backend)
         hit = self._choice_cache.get(key)

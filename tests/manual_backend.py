@@ -36,7 +36,8 @@ class ManualBackend(Backend):
     )
 
     def __init__(self, bootstrap: Any = None, *, name: str = "manual",
-                 self_progressing: bool = False) -> None:
+                 self_progressing: bool = False, rank: int = 0, size: int = 1,
+                 capabilities: Capabilities | None = None) -> None:
         self.name = name  # type: ignore[misc]
         if self_progressing:
             self.capabilities = Capabilities(
@@ -45,7 +46,9 @@ class ManualBackend(Backend):
         self.started: list[ManualRequest] = []
         self.events: list[tuple[str, str]] = []
         self.fail_start: str | None = None
-        self._world = ManualGroup()
+        if capabilities is not None:
+            self.capabilities = capabilities
+        self._world = ManualGroup(rank, size)
 
     @classmethod
     def is_available(cls) -> bool:
@@ -55,7 +58,7 @@ class ManualBackend(Backend):
         return self._world
 
     def create_group(self, parent: Any, members: Any, tag: str) -> ManualGroup:
-        return ManualGroup(rank=0, size=len(members))
+        return ManualGroup(rank=list(members).index(parent.rank), size=len(members))
 
     def free_group(self, group: Any) -> None:
         pass

@@ -83,6 +83,7 @@ class MPIBackend(Backend):
         self._world = _MPIGroup(MPI.COMM_WORLD.Dup())
         self._IN_PLACE = MPI.IN_PLACE
         self._testsome = MPI.Request.Testsome
+        self._statuses: list[Any] = []
         floats = _REALS | ({DType.FLOAT16} if _float16_reduces(MPI) else frozenset())
         ordered = _INTS | floats
         self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD,
@@ -193,20 +194,30 @@ class MPIBackend(Backend):
                 return [(0, None)] if requests[0].Test() else []
             except self._MPI.Exception as exc:
                 return [(0, BackendError(f"MPI: {exc.Get_error_string()}"))]
+        statuses = self._statuses
+        if len(statuses) < len(requests):
+            statuses.extend(self._MPI.Status() for _ in range(len(requests) - len(statuses)))
         try:
-            done = self._testsome(requests)
+            done = self._testsome(requests, statuses)
         except self._MPI.Exception:
-            return self._test_each(requests)
+            return self._failed_some(requests, statuses)
         return [(i, None) for i in done] if done else []
 
-    def _test_each(self, requests: list[Request]) -> list[tuple[int, BaseException | None]]:
+    def _failed_some(
+        self, requests: list[Request], statuses: list[Any]
+    ) -> list[tuple[int, BaseException | None]]:
+        # Testsome raised ERR_IN_STATUS: it has completed (and nulled) every request it
+        # reports on, the successful ones too; each one's own error is in its status.
+        MPI = self._MPI
         out: list[tuple[int, BaseException | None]] = []
         for i, req in enumerate(requests):
-            try:
-                if req.Test():
-                    out.append((i, None))
-            except self._MPI.Exception as exc:
-                out.append((i, BackendError(f"MPI: {exc.Get_error_string()}")))
+            if req:
+                continue
+            code = statuses[i].Get_error()
+            if code == MPI.SUCCESS:
+                out.append((i, None))
+            else:
+                out.append((i, BackendError(f"MPI: {MPI.Get_error_string(code)}")))
         return out
 
 

@@ -1,0 +1,61 @@
+"""Launch a pytest suite inside every rank of an ``mpiexec`` (or ``torchrun``) job.
+
+Each rank runs ``python -m pytest <suite>``; mcrdl's own per-operation timeout turns a hang
+into a CommTimeoutError with the flight recorder (which lane, which op, on which rank), and
+pytest-timeout's thread dump catches anything else. Output lines carry their rank.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def mpiexec() -> str:
+    found = shutil.which("mpiexec", path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    if found is None:
+        raise RuntimeError("mpiexec not found; pip install mpich")
+    return found
+
+
+def run_ranks(n: int, argv: list[str], *, timeout: float, env: dict[str, str] | None = None,
+              launcher: str = "mpi") -> subprocess.CompletedProcess[str]:
+    """Run ``python argv...`` on ``n`` ranks; returns the finished process (output merged)."""
+    full_env = dict(os.environ)
+    full_env.update({"MCRDL_MULTIRANK": "1", "PYTHONPATH": str(ROOT),
+                     "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    full_env.setdefault("MCRDL_TIMEOUT", "30")
+    full_env.update(env or {})
+    if launcher == "mpi":
+        cmd = [mpiexec(), "-n", str(n), "-prepend-rank", sys.executable, *argv]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
+               "--standalone", "--tee", "3", *argv]
+    try:
+        return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
+                              timeout=timeout, start_new_session=True)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        raise AssertionError(
+            f"{' '.join(cmd)} did not finish in {timeout} s (a hang mcrdl failed to turn into "
+            f"an error); last output:\n{out[-6000:]}"
+        ) from None
+
+
+def run_suite(n: int, suite: str, *, timeout: float = 600, extra: list[str] | None = None,
+              env: dict[str, str] | None = None) -> str:
+    argv = ["-m", "pytest", suite, "-q", "-p", "no:cacheprovider", "-x",
+            "--timeout", str(int(timeout * 0.8)), "--timeout-method", "thread", *(extra or [])]
+    proc = run_ranks(n, argv, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{suite} failed at {n} ranks (exit {proc.returncode}):\n"
+            f"{(proc.stdout + proc.stderr)[-12000:]}"
+        )
+    return proc.stdout

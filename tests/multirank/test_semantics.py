@@ -1,0 +1,296 @@
+"""Sub-communicators, point to point, program order across backends, asyncio, backend errors.
+
+Runs inside every rank at 2 and 4 ranks; every test holds for any world size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+import mcrdl
+from mcrdl import BackendError, DependencyFailedError, ReduceOp
+
+BACKENDS = ["mpi", "gloo"]
+
+
+def total(n: int) -> float:
+    return float(sum(range(1, n + 1)))
+
+
+# -- split ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_split_strided(comm, backend):
+    sub = comm.split(comm.rank % 2)
+    members = [r for r in range(comm.size) if r % 2 == comm.rank % 2]
+    assert sub.size == len(members) and sub.rank == members.index(comm.rank)
+    x = torch.tensor([float(comm.rank)])
+    assert sub.allreduce(x, backend=backend).wait().item() == float(sum(members))
+    got = sub.allgather(torch.tensor([comm.rank]), backend=backend).wait()
+    assert got.tolist() == members
+    sub.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_split_uneven_and_key_order(comm, backend):
+    # rank 0 alone; everyone else together, in reverse order of rank
+    color = 0 if comm.rank == 0 else 1
+    sub = comm.split(color, key=-comm.rank)
+    members = [0] if color == 0 else sorted(range(1, comm.size), reverse=True)
+    assert (sub.size, sub.rank) == (len(members), members.index(comm.rank))
+    got = sub.allgather(torch.tensor([comm.rank]), backend=backend).wait()
+    assert got.tolist() == members
+    if sub.size > 1:
+        x = np.array([comm.rank], dtype=np.int64)
+        assert sub.broadcast(x, root=0, backend=backend).wait()[0] == members[0]
+    sub.close()
+
+
+def test_split_opt_out_and_nested(comm):
+    sub = comm.split(None if comm.rank == comm.size - 1 else 0)
+    if comm.rank == comm.size - 1:
+        assert sub is None
+        return
+    assert sub.size == comm.size - 1
+    inner = sub.split(sub.rank // 2)
+    assert inner.name.startswith(sub.name + ".")
+    x = torch.ones(3)
+    for backend in BACKENDS:
+        assert inner.allreduce(x.clone(), backend=backend).wait().tolist() == [float(inner.size)] * 3
+    inner.close()
+    sub.close()
+
+
+def test_overlapping_communicators_interleaved(comm):
+    """Ops on two communicators sharing ranks, interleaved and unwaited, in both backends."""
+    a = comm.split(0)
+    b = comm.split(comm.rank % 2)
+    futs = []
+    for i in range(6):
+        backend = BACKENDS[i % 2]
+        futs.append(a.allreduce(torch.full((4,), 1.0), backend=backend))
+        futs.append(b.allreduce(torch.full((4,), 1.0), backend=BACKENDS[(i + 1) % 2]))
+    for i, f in enumerate(futs):
+        assert f.wait().tolist() == [float((a if i % 2 == 0 else b).size)] * 4
+    a.close()
+    b.close()
+
+
+# -- point to point ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_send_recv_pairs(comm, backend):
+    if comm.size % 2:
+        pytest.skip("pairs need an even world")
+    peer = comm.rank ^ 1
+    out = torch.arange(10, dtype=torch.float64) + 100 * comm.rank
+    inbox = torch.empty(10, dtype=torch.float64)
+    if comm.rank % 2 == 0:
+        s = comm.send(out, peer, tag=5, backend=backend)
+        r = comm.recv(inbox, peer, tag=6, backend=backend)
+    else:
+        r = comm.recv(inbox, peer, tag=5, backend=backend)
+        s = comm.send(out, peer, tag=6, backend=backend)
+    assert s.wait() is None
+    assert r.wait() is inbox
+    assert inbox.tolist() == (torch.arange(10, dtype=torch.float64) + 100 * peer).tolist()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ring_with_tags_out_of_order(comm, backend):
+    """Each rank sends two tagged messages right and receives them from the left, tags swapped."""
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    if right == comm.rank:
+        pytest.skip("a ring needs two ranks")
+    a = np.full(7, comm.rank, dtype=np.int32)
+    b = np.full(3, 10 * comm.rank, dtype=np.int16)
+    ra, rb = np.empty(7, dtype=np.int32), np.empty(3, dtype=np.int16)
+    futs = [comm.recv(rb, left, tag=2, backend=backend), comm.recv(ra, left, tag=1, backend=backend),
+            comm.send(a, right, tag=1, backend=backend), comm.send(b, right, tag=2, backend=backend)]
+    for f in reversed(futs):
+        f.wait()
+    assert (ra == left).all() and (rb == 10 * left).all()
+
+
+def test_send_recv_bfloat16_and_empty(comm):
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    for backend in BACKENDS:
+        if comm.rank == 0:
+            comm.send(torch.full((5,), 1.5, dtype=torch.bfloat16), 1, backend=backend).wait()
+            comm.send(torch.empty(0), 1, tag=1, backend=backend).wait()
+        elif comm.rank == 1:
+            x = torch.empty(5, dtype=torch.bfloat16)
+            assert comm.recv(x, 0, backend=backend).wait().float().tolist() == [1.5] * 5
+            assert comm.recv(torch.empty(0), 0, tag=1, backend=backend).wait().numel() == 0
+
+
+# -- program order across backends ---------------------------------------------------------
+
+
+def test_mixed_chain_gloo_mpi_gloo(comm):
+    """allreduce on gloo -> alltoall on mpi -> broadcast on gloo, on the same buffers, unwaited."""
+    n, me = comm.size, comm.rank
+    x = torch.arange(4 * n, dtype=torch.float32) + me
+    out = torch.empty_like(x)
+    f1 = comm.allreduce(x, backend="gloo")
+    f2 = comm.alltoall(x, out=out, backend="mpi")
+    f3 = comm.broadcast(out, root=n - 1, backend="gloo")
+    f4 = comm.allreduce(x, ReduceOp.MAX, backend="mpi")  # x is read by f2: must wait for it
+    assert f3.wait() is out and f4.wait() is x
+    # sequential reference
+    xs = [np.arange(4 * n, dtype=np.float32) + r for r in range(n)]
+    summed = np.sum(xs, axis=0)
+    # after step 1 every rank holds `summed`; alltoall of identical buffers gives chunk r of
+    # summed from everyone; the broadcast from n-1 then gives rank n-1's view to all.
+    chunks = np.split(summed, n)
+    ref_out = np.concatenate([chunks[n - 1]] * n)
+    assert np.array_equal(out.numpy(), ref_out)
+    assert np.array_equal(x.numpy(), summed)
+
+
+@pytest.mark.parametrize("first,second", [("gloo", "mpi"), ("mpi", "gloo")])
+def test_write_after_write_across_backends(comm, first, second):
+    x = torch.ones(1000)
+    futs = [comm.allreduce(x, backend=first), comm.allreduce(x, backend=second),
+            comm.allreduce(x, backend=first)]
+    futs[-1].wait()
+    assert all(f.done() for f in futs)
+    assert x[0].item() == float(comm.size ** 3)
+
+
+def test_read_then_overwrite_across_backends(comm):
+    """A send-like read on one backend, then an in-place write on another (write-after-read)."""
+    x = torch.full((8 * comm.size,), float(comm.rank))
+    gathered = comm.allgather(x, backend="gloo")  # reads x
+    comm.allreduce(x, backend="mpi")  # writes x: must not run before the allgather has read it
+    expected = np.repeat(np.arange(comm.size, dtype=np.float32), 8 * comm.size)
+    assert np.array_equal(gathered.wait().numpy(), expected)
+
+
+def test_gloo_depends_on_mpi_while_another_mpi_in_flight(comm):
+    a = torch.ones(64)
+    b = torch.ones(1 << 16)
+    fa = comm.allreduce(a, backend="mpi")
+    fb = comm.allreduce(b, backend="mpi")  # independent, in flight meanwhile
+    fc = comm.allreduce(a, backend="gloo")  # depends on fa
+    assert fc.wait()[0].item() == float(comm.size ** 2)
+    assert fb.wait()[0].item() == float(comm.size)
+    assert fa.done()
+
+
+def test_after_edges(comm):
+    x = torch.ones(4)
+    y = torch.ones(4)
+    f1 = comm.allreduce(x, backend="gloo")
+    f2 = comm.allreduce(y, backend="mpi", after=[f1])
+    assert f2.wait()[0].item() == float(comm.size)
+    assert f1.done() and f1.result() is x
+
+
+def test_random_chains_match_sequential_reference(comm):
+    """Many unwaited ops on 3 shared buffers with a random backend each (same on all ranks)."""
+    rng = np.random.default_rng(1234)
+    n, me = comm.size, comm.rank
+    bufs = [np.full(4 * n, me + k, dtype=np.float64) for k in range(3)]
+    model = [np.stack([np.full(4 * n, r + k, dtype=np.float64) for r in range(n)]) for k in range(3)]
+    futs = []
+    for _ in range(30):
+        k = int(rng.integers(3))
+        backend = BACKENDS[int(rng.integers(2))]
+        kind = int(rng.integers(3))
+        if kind == 0:
+            futs.append(comm.allreduce(bufs[k], backend=backend))
+            model[k][:] = model[k].sum(axis=0)
+        elif kind == 1:
+            root = int(rng.integers(n))
+            futs.append(comm.broadcast(bufs[k], root=root, backend=backend))
+            model[k][:] = model[k][root]
+        else:
+            j = (k + 1) % 3
+            futs.append(comm.alltoall(bufs[k], out=bufs[j], backend=backend))
+            chunks = [np.split(model[k][r], n) for r in range(n)]
+            model[j] = np.stack([np.concatenate([chunks[i][r] for i in range(n)]) for r in range(n)])
+    for f in futs:
+        f.wait()
+    for k in range(3):
+        assert np.array_equal(bufs[k], model[k][me]), k
+
+
+# -- asyncio -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_await_in_asyncio_and_uvloop(comm, loop):
+    async def main():
+        x = torch.ones(16)
+        y = await comm.allreduce(x, backend="mpi")
+        z = await comm.allgather(y, backend="gloo")
+        futs = [comm.allreduce(torch.ones(4), backend=b) for b in BACKENDS * 3]
+        results = await asyncio.gather(*futs)
+        return y, z, results
+
+    if loop == "uvloop":
+        import uvloop
+
+        y, z, results = uvloop.run(main())
+    else:
+        y, z, results = asyncio.run(main())
+    assert y.tolist() == [float(comm.size)] * 16
+    assert z.shape == (16 * comm.size,)
+    assert all(r.tolist() == [float(comm.size)] * 4 for r in results)
+
+
+def test_waiting_in_opposite_orders(comm):
+    futs = [comm.allreduce(torch.ones(8), backend=BACKENDS[i % 2]) for i in range(8)]
+    order = futs if comm.rank % 2 == 0 else list(reversed(futs))
+    for f in order:
+        assert f.wait()[0].item() == float(comm.size)
+
+
+# -- errors inside a backend ---------------------------------------------------------------
+
+
+def test_backend_error_fails_the_future_and_its_dependants_not_the_process(comm):
+    """A truncated MPI receive fails its future with MPI's message; a dependant fails too."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    if comm.rank == 0:
+        comm.send(np.arange(5, dtype=np.int32), 1, tag=3, backend="mpi").wait()
+        comm.send(np.arange(2, dtype=np.int32), 1, tag=4, backend="mpi").wait()
+    elif comm.rank == 1:
+        small = np.zeros(2, dtype=np.int32)
+        ok = np.zeros(2, dtype=np.int32)
+        bad = comm.recv(small, 0, tag=3, backend="mpi")
+        good = comm.recv(ok, 0, tag=4, backend="mpi")
+        with pytest.raises(BackendError, match=r"^MPI: .*runcat"):
+            bad.wait()
+        assert good.wait() is ok and ok.tolist() == [0, 1]
+    comm.barrier().wait()
+
+
+def test_dependant_of_failed_op_fails(comm):
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    if comm.rank == 1:
+        small = np.zeros(1, dtype=np.int64)
+        bad = comm.recv(small, 0, tag=9, backend="mpi")
+        dep = comm.send(small, 0, tag=10, backend="gloo")  # reads what bad writes
+        with pytest.raises(DependencyFailedError, match=r"depends on recv#\d+, which failed"):
+            dep.wait()
+        assert isinstance(bad.exception(), BackendError)
+    elif comm.rank == 0:
+        comm.send(np.arange(3, dtype=np.int64), 1, tag=9, backend="mpi").wait()
+    comm.barrier().wait()
+
+
+def test_engine_stats_are_consistent(comm):
+    s = comm.runtime.engine.stats()
+    assert s.submitted == s.completed + s.failed + s.cancelled + s.pending + s.in_flight
+    assert isinstance(s, mcrdl.EngineStats)

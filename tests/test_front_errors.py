@@ -1,0 +1,245 @@
+"""Bad input raises a specific exception on the calling rank before anything is sent.
+
+A communicator of size 4 (this rank: 1) over two manual backends named like the real ones; the
+manual "mpi" declares the real mpi backend's inability to reduce bfloat16. After every refused
+call, nothing has been started on any backend.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import mcrdl
+from mcrdl import (
+    BackendUnavailableError,
+    CommClosedError,
+    ReduceOp,
+    RuntimeFinalizedError,
+    UnknownBackendError,
+    UnsupportedOperationError,
+)
+from mcrdl._config import Config
+from mcrdl._runtime import Runtime
+from mcrdl._types import DType, OpKind
+from mcrdl.backends import Capabilities
+from tests.manual_backend import ManualBackend
+
+MPI_LIKE = Capabilities(
+    ops=frozenset(OpKind),
+    dtypes=frozenset(DType),
+    reductions={op: frozenset(DType) - {DType.BFLOAT16}
+                for op in (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX)},
+)
+
+
+@pytest.fixture
+def backends():
+    return {"mpi": ManualBackend(name="mpi", rank=1, size=4, capabilities=MPI_LIKE),
+            "gloo": ManualBackend(name="gloo", rank=1, size=4)}
+
+
+@pytest.fixture
+def comm(backends):
+    runtime = Runtime(Config(progress_thread=False), None, backends)
+    yield runtime.world
+    runtime.engine.fail_all(lambda f: RuntimeError("test over"))
+
+
+@pytest.fixture(autouse=True)
+def nothing_sent(backends):
+    yield
+    for b in backends.values():
+        assert b.started == [] or b._allow_started, f"{b.name} started {b.started}"
+
+
+def allow_started(backends):
+    for b in backends.values():
+        b._allow_started = True
+
+
+ManualBackend._allow_started = False
+
+
+def exact(msg: str) -> str:
+    return "^" + re.escape(msg) + "$"
+
+
+def test_non_contiguous_tensor(comm):
+    t = torch.ones(4, 4).t()
+    with pytest.raises(ValueError, match=exact(
+            "buf is not contiguous (shape (4, 4), strides (1, 4)); pass buf.contiguous() "
+            "— mcrdl never copies behind your back")):
+        comm.allreduce(t)
+
+
+def test_non_contiguous_array(comm):
+    a = np.ones((4, 4))[:, ::2]
+    with pytest.raises(ValueError, match=r"^buf is not C-contiguous \(shape \(4, 2\), strides "
+                                         r"\(32, 16\)\); pass np.ascontiguousarray\(buf\)"):
+        comm.broadcast(a)
+
+
+def test_not_a_buffer(comm):
+    with pytest.raises(TypeError, match=exact(
+            "buf must be a torch.Tensor or numpy.ndarray, got builtins.list")):
+        comm.allreduce([1.0, 2.0])
+
+
+def test_dtype_nobody_carries(comm):
+    with pytest.raises(TypeError, match=r"^buf has numpy dtype '>f4', which mcrdl does not "
+                                        r"carry; supported: bool, uint8, .*\(native byte order\)$"):
+        comm.allgather(np.ones(4, dtype=">f4"))
+    with pytest.raises(TypeError, match=r"^buf has dtype torch.complex32, which mcrdl does not carry"):
+        comm.allgather(torch.ones(4, dtype=torch.complex32))
+
+
+def test_dtype_a_backend_cannot_reduce_names_those_that_can(comm):
+    t = torch.ones(4, dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedOperationError, match=exact(
+            "mpi cannot reduce bfloat16 with SUM; backends that can: gloo")):
+        comm.allreduce(t, backend="mpi")
+    # auto respects capabilities: it goes to the backend that can
+    allow_started(comm.runtime._backends)
+    fut = comm.allreduce(t)
+    assert fut.lane.backend_name == "gloo"
+
+
+def test_rank_and_root_out_of_range(comm):
+    t = torch.ones(4)
+    with pytest.raises(ValueError, match=exact("dst=4 out of range for communicator of size 4")):
+        comm.send(t, 4)
+    with pytest.raises(ValueError, match=exact("src=-1 out of range for communicator of size 4")):
+        comm.recv(t, -1)
+    with pytest.raises(ValueError, match=exact("root=7 out of range for communicator of size 4")):
+        comm.broadcast(t, root=7)
+    with pytest.raises(TypeError, match=exact("root must be an int, got 1.0")):
+        comm.reduce(t, root=1.0)
+    with pytest.raises(ValueError, match=exact(
+            "dst=1 is this rank; a message to oneself is a local copy: use tensor.copy_() instead")):
+        comm.send(t, 1)
+
+
+def test_tag_range(comm):
+    with pytest.raises(ValueError, match=exact(
+            "tag=40000 out of range; tags are 0..32767 on every backend")):
+        comm.send(torch.ones(1), 0, tag=40000)
+
+
+def test_dim0_not_divisible(comm):
+    with pytest.raises(ValueError, match=exact(
+            "alltoall needs dim 0 of buf divisible by the communicator size 4; got shape (6, 2)")):
+        comm.alltoall(torch.ones(6, 2))
+    with pytest.raises(ValueError, match=exact(
+            "reduce_scatter needs dim 0 of buf divisible by the communicator size 4; got shape (3,)")):
+        comm.reduce_scatter(torch.ones(3))
+    with pytest.raises(ValueError, match=r"^scatter splits dim 0, but buf is 0-dimensional"):
+        comm.scatter(torch.tensor(1.0))
+
+
+def test_counts_that_do_not_sum(comm):
+    with pytest.raises(ValueError, match=exact(
+            "send_counts sum to 5 but buf has 6 rows along dim 0; they must be equal")):
+        comm.alltoallv(torch.ones(6), [1, 1, 1, 2])
+    with pytest.raises(ValueError, match=exact(
+            "send_counts has 3 entries; the communicator has 4 ranks")):
+        comm.alltoallv(torch.ones(6), [2, 2, 2])
+    with pytest.raises(ValueError, match=exact("recv_counts has a negative count: [1, -1, 0, 0]")):
+        comm.alltoallv(torch.ones(4), [1, 1, 1, 1], [1, -1, 0, 0])
+
+
+def test_wrong_out(comm):
+    t = torch.ones(4, 3)
+    with pytest.raises(ValueError, match=exact(
+            "out has shape (8, 3); allgather of buf with shape (4, 3) on 4 ranks needs (16, 3)")):
+        comm.allgather(t, out=torch.empty(8, 3))
+    with pytest.raises(TypeError, match=exact(
+            "out has dtype float64 but buf has float32; they must match")):
+        comm.alltoall(t, out=torch.empty(4, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match=exact(
+            "out overlaps buf; alltoall cannot run in place: pass a separate out")):
+        comm.alltoall(t, out=t)
+
+
+def test_read_only_receive_buffer(comm):
+    a = np.ones(4)
+    a.flags.writeable = False
+    with pytest.raises(ValueError, match=exact(
+            "buf is read-only but this operation writes it; pass a writable array")):
+        comm.recv(a, 0)
+
+
+def test_avg_on_integers_is_refused(comm):
+    with pytest.raises(ValueError, match=exact(
+            "AVG on int32 would truncate; use SUM and divide yourself, or a floating-point dtype")):
+        comm.allreduce(torch.ones(4, dtype=torch.int32), ReduceOp.AVG)
+
+
+def test_op_must_be_a_reduce_op(comm):
+    with pytest.raises(TypeError, match=exact(
+            "op must be a mcrdl.ReduceOp (e.g. ReduceOp.SUM), got 'sum'")):
+        comm.allreduce(torch.ones(4), "sum")
+
+
+def test_unknown_and_unavailable_backends(backends):
+    runtime = Runtime(Config(progress_thread=False), None, {"mpi": backends["mpi"]})
+    comm = runtime.world
+    with pytest.raises(UnknownBackendError, match=exact("unknown backend 'ncl'; known: gloo, mpi")):
+        comm.allreduce(torch.ones(4), backend="ncl")
+    with pytest.raises(BackendUnavailableError, match=exact(
+            "backend 'gloo' is not available in this runtime; available: mpi")):
+        comm.allreduce(torch.ones(4), backend="gloo")
+    with pytest.raises(UnknownBackendError, match=exact("unknown backend 'ncl'; known: gloo, mpi")):
+        mcrdl.backends.backend_class("ncl")
+
+
+def test_split_arguments(comm):
+    with pytest.raises(ValueError, match=exact("color=-2 must be a non-negative int or None")):
+        comm.split(-2)
+    with pytest.raises(TypeError, match=exact("key must be an int, got 'a'")):
+        comm.split(0, key="a")
+
+
+def test_closed_communicator_and_finalized_runtime(backends):
+    allow_started(backends)
+    runtime = Runtime(Config(progress_thread=False), None, backends)
+    comm = runtime.world
+    fut = comm.allreduce(torch.ones(4))
+    assert fut.state == "ISSUED"
+    # finalize drains: this operation never finishes, so the drain runs into its timeout
+    runtime.engine.timeout = None
+    for b in backends.values():
+        for req in b.started:
+            b.finish(req)
+    runtime.finalize()
+    assert fut.state == "DONE"
+    with pytest.raises(CommClosedError, match=exact(
+            "cannot allreduce on world: the runtime was finalized")):
+        comm.allreduce(torch.ones(4))
+
+
+def test_waiting_on_a_future_of_a_finalized_runtime(backends):
+    allow_started(backends)
+    runtime = Runtime(Config(progress_thread=False), None, backends)
+    fut = runtime.world.barrier()
+    # finalize cannot drain an operation that never finishes: fail it instead
+    runtime.engine.fail_all(
+        lambda f: RuntimeFinalizedError(f"the runtime was finalized before {f!r} finished"))
+    runtime.finalize()
+    with pytest.raises(RuntimeFinalizedError, match=r"^the runtime was finalized before "
+                                                    r"<CommFuture barrier#1 "):
+        fut.wait()
+
+
+def test_op_on_a_closed_sub_communicator(backends):
+    allow_started(backends)
+    runtime = Runtime(Config(progress_thread=False), None, backends)
+    sub = runtime.make_communicator(runtime.world, "world.1c0", [0, 1, 2, 3], 1)
+    sub.close()
+    with pytest.raises(CommClosedError, match=r"^cannot barrier on <Communicator world.1c0 "
+                                              r"rank=1/4 backends=mpi,gloo closed>: the "
+                                              r"communicator is closed$"):
+        sub.barrier()
