@@ -1,0 +1,140 @@
+"""A real runtime in a plain ``python`` process: a world of one, on the real mpi and gloo backends."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import mcrdl
+from mcrdl import CommClosedError, MCRDLError, ReduceOp, UnknownBackendError
+from mcrdl._bootstrap import detect_launcher
+from mcrdl._config import Config
+
+
+@pytest.fixture
+def world():
+    comm = mcrdl.init(timeout=60)
+    yield comm
+    mcrdl.finalize()
+
+
+def test_world_of_one(world):
+    assert (world.rank, world.size) == (0, 1)
+    assert world.backends == ("mpi", "gloo")
+    assert repr(world) == "<Communicator world rank=0/1 backends=mpi,gloo>"
+    assert mcrdl.current_runtime() is world.runtime
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo", None])
+def test_every_op_on_one_rank(world, backend):
+    x = torch.arange(6, dtype=torch.float32).reshape(3, 2)
+    assert world.allreduce(x.clone(), backend=backend).wait().tolist() == x.tolist()
+    assert world.allreduce(x.clone(), ReduceOp.AVG, backend=backend).wait().tolist() == x.tolist()
+    assert world.reduce(x.clone(), backend=backend).wait().tolist() == x.tolist()
+    assert world.broadcast(x.clone(), backend=backend).wait().tolist() == x.tolist()
+    assert world.allgather(x, backend=backend).wait().tolist() == x.tolist()
+    assert world.gather(x, backend=backend).wait().tolist() == x.tolist()
+    assert world.scatter(x, backend=backend).wait().tolist() == x.tolist()
+    assert world.reduce_scatter(x, backend=backend).wait().tolist() == x.tolist()
+    assert world.alltoall(x, backend=backend).wait().tolist() == x.tolist()
+    assert world.alltoallv(x, [3], backend=backend).wait().tolist() == x.tolist()
+    assert world.alltoallv(x, [3], [3], backend=backend).wait().tolist() == x.tolist()
+    assert world.barrier(backend=backend).wait() is None
+    a = np.arange(4, dtype=np.int64)
+    assert world.allgather(a, backend=backend).wait().tolist() == [0, 1, 2, 3]
+
+
+def test_with_statement_finalizes():
+    with mcrdl.init() as comm:
+        fut = comm.allreduce(torch.ones(2))
+    assert fut.done() and fut.result().tolist() == [1.0, 1.0]
+    assert comm.runtime.finalized and mcrdl.current_runtime() is None
+    with pytest.raises(CommClosedError, match=r"^cannot barrier on world: the runtime was finalized$"):
+        comm.barrier()
+    mcrdl.finalize()  # idempotent, and a no-op without a live runtime
+
+
+def test_init_twice_is_refused_and_reinit_after_finalize_works():
+    comm = mcrdl.init()
+    try:
+        with pytest.raises(MCRDLError, match=r"^mcrdl is initialized already"):
+            mcrdl.init()
+    finally:
+        mcrdl.finalize()
+    comm2 = mcrdl.init(backends="gloo")
+    try:
+        assert comm2.backends == ("gloo",)
+        assert comm2.allreduce(torch.ones(1)).wait().item() == 1.0
+    finally:
+        mcrdl.finalize()
+
+
+def test_unknown_backend_at_init():
+    with pytest.raises(UnknownBackendError, match=r"^unknown backend 'glo'; known: gloo, mpi$"):
+        mcrdl.init(backends=["glo"])
+    assert mcrdl.current_runtime() is None
+
+
+def test_split_on_one_rank(world):
+    sub = world.split(3)
+    assert (sub.rank, sub.size, sub.name) == (0, 1, "world.1c3")
+    assert world.split(None) is None
+    sub.close()
+    sub.close()  # idempotent
+
+
+def test_launcher_detection():
+    assert detect_launcher({}) == "single"
+    assert detect_launcher({"PMI_RANK": "0", "PMI_SIZE": "2"}) == "mpi"
+    assert detect_launcher({"OMPI_COMM_WORLD_SIZE": "2"}) == "mpi"
+    assert detect_launcher({"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2"}) == "torchrun"
+
+
+def test_config_from_environment_and_arguments():
+    env = {"MCRDL_TIMEOUT": "12.5", "MCRDL_DEBUG": "1", "MCRDL_BACKENDS": "gloo, mpi",
+           "MCRDL_PROGRESS_THREAD": "0"}
+    c = Config.load(environ=env)
+    assert (c.timeout, c.debug, c.backends, c.progress_thread) == (12.5, True, ("gloo", "mpi"), False)
+    assert Config.load(environ=env, timeout=None).timeout is None
+    assert Config.load(environ={"MCRDL_TIMEOUT": "none"}).timeout is None
+    with pytest.raises(ValueError, match=r"^MCRDL_TIMEOUT='soon' is not a number of seconds$"):
+        Config.load(environ={"MCRDL_TIMEOUT": "soon"})
+    with pytest.raises(ValueError, match=r"^MCRDL_DEBUG='maybe' is not a boolean; use 1 or 0$"):
+        Config.load(environ={"MCRDL_DEBUG": "maybe"})
+
+
+def test_import_initializes_nothing():
+    code = ("import sys, mcrdl; "
+            "print(sorted(m for m in ('torch', 'mpi4py.MPI', 'cupy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+PUBLIC = [
+    "BackendError", "BackendUnavailableError", "CommAbortedError", "CommClosedError",
+    "CommFuture", "CommTimeoutError", "Communicator", "DType", "DependencyFailedError",
+    "DesyncError", "EngineStats", "FutureCancelledError", "InvalidStateError", "MCRDLError",
+    "OpKind", "ReduceOp", "Runtime", "RuntimeFinalizedError", "UnknownBackendError",
+    "UnsupportedOperationError", "current_runtime", "finalize", "init",
+]
+
+
+def test_public_surface_is_pinned_and_documented():
+    import mcrdl.backends
+    import mcrdl.engine
+
+    assert sorted(mcrdl.__all__) == sorted(PUBLIC)
+    for module in (mcrdl, mcrdl.engine, mcrdl.backends):
+        assert module.__doc__
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                assert obj.__doc__, f"{module.__name__}.{name} has no docstring"
+                for attr, member in vars(obj).items() if inspect.isclass(obj) else []:
+                    if not attr.startswith("_") and inspect.isfunction(member):
+                        assert member.__doc__, f"{module.__name__}.{name}.{attr} has no docstring"
