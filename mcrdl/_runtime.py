@@ -158,7 +158,7 @@ class Runtime:
         self.finalized = True
         with engine.lock:
             for comm in list(self._comms):
-                comm._closed = True
+                comm._mark_closed()
                 if comm is not self.world:
                     for slot in comm._slots.values():
                         slot.backend.free_group(slot.group)

@@ -21,6 +21,10 @@ class ReduceOp(enum.Enum):
     MAX = "max"
     AVG = "avg"
 
+    # Members are singletons compared by identity: hash them by identity too, in C (Enum's
+    # own __hash__ is Python code, and these are dict keys on every operation's path).
+    __hash__ = object.__hash__
+
 
 class OpKind(enum.Enum):
     """The operations a communicator offers; a backend starts each with ``start_<value>``."""
@@ -37,6 +41,8 @@ class OpKind(enum.Enum):
     ALLTOALL = "alltoall"
     ALLTOALLV = "alltoallv"
     BARRIER = "barrier"
+
+    __hash__ = object.__hash__
 
 
 #: Operations that every member of a communicator must submit in the same order.
@@ -63,6 +69,8 @@ class DType(enum.Enum):
     FLOAT64 = "float64"
     COMPLEX64 = "complex64"
     COMPLEX128 = "complex128"
+
+    __hash__ = object.__hash__
 
     @property
     def is_floating(self) -> bool:

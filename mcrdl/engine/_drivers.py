@@ -28,7 +28,8 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._future import DONE, ISSUED
+from .._errors import RuntimeFinalizedError
+from ._states import DONE, ISSUED
 
 if TYPE_CHECKING:
     from ._future import CommFuture
@@ -73,12 +74,16 @@ def wait(engine: Engine, fut: CommFuture, timeout: float | None) -> None:
     poll()
     if fut._state >= DONE:
         return
+    if engine._closed:
+        raise RuntimeFinalizedError(
+            f"cannot wait on {fut!r}: the runtime was finalized ({engine._closed_why})"
+        )
     policy = engine.policy
     engine.drivers += 1
     try:
         t0 = _clock()
         deadline = None if timeout is None else t0 + timeout
-        if fut._state == ISSUED and engine._unfinished == 1:
+        if fut._state == ISSUED and engine._unfinished == 1 and fut.lane.blocking:
             _block(engine, fut, deadline)
         spin = policy.spin_polls if engine.spin_ok() else 0
         idle = 0
@@ -115,8 +120,6 @@ def _block(engine: Engine, fut: CommFuture, deadline: float | None) -> None:
     engine to poll meanwhile. Slices keep the deadline checks going.
     """
     backend = fut.lane.backend
-    if not backend.capabilities.blocking_wait:
-        return
     while fut._state == ISSUED and engine._unfinished == 1:
         request = fut._request
         if request is None:
@@ -138,29 +141,36 @@ def _set_none(waiter: asyncio.Future[None]) -> None:
 def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
     """Poll from the running event loop until ``fut`` is done.
 
-    Short waits never leave the loop's thread: each idle poll gives the loop one iteration
-    (a bare ``yield``). A wait longer than ``yield_seconds`` is handed to the background
-    thread, which resolves an asyncio future through ``call_soon_threadsafe``: by then the
-    ~70 µs hand-off is noise, and the loop can sleep instead of spinning.
+    Short waits never leave the loop's thread: first a few polls in place (when spinning is
+    safe: a small operation finishes within them, and a loop iteration costs more than the
+    whole operation), then each idle poll gives the loop one iteration (a bare ``yield``).
+    A wait longer than ``yield_seconds`` is handed to the background thread, which resolves
+    an asyncio future through ``call_soon_threadsafe``: by then the ~70 µs hand-off is noise,
+    and the loop can sleep instead of spinning.
     """
     poll = engine.poll_once
     policy = engine.policy
     engine.drivers += 1
     try:
+        if engine.spin_ok():
+            for _ in range(policy.spin_polls):
+                if poll() and fut._state >= DONE:
+                    return
         t0 = _clock()
-        spin = policy.spin_polls if engine.spin_ok() else 0
-        idle = 0
         while fut._state < DONE:
             if poll():
-                idle = 0
                 continue
-            idle += 1
-            if idle > spin:
-                now = _clock()
-                engine.check_deadlines(now)
-                if now - t0 >= policy.yield_seconds:
+            now = _clock()
+            engine.check_deadlines(now)
+            waited = now - t0
+            if waited >= policy.yield_seconds:
+                if engine.has_background:
                     break
-                _sched_yield()
+                # Nobody to hand the wait to: sleep in the loop instead of spinning it.
+                yield from asyncio.sleep(
+                    min(policy.sleep_max, waited * policy.sleep_fraction)).__await__()
+                continue
+            _sched_yield()
             yield  # one event-loop iteration for the other tasks
     finally:
         engine.drivers -= 1

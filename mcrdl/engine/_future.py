@@ -13,8 +13,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CANCELLED", "DONE", "FAILED", "ISSUED", "PENDING", "STATE_NAMES", "CommFuture"]
 
-PENDING, ISSUED, DONE, FAILED, CANCELLED = range(5)
-STATE_NAMES = ("PENDING", "ISSUED", "DONE", "FAILED", "CANCELLED")
+from ._drivers import wait as _wait
+from ._states import CANCELLED, DONE, FAILED, ISSUED, PENDING, STATE_NAMES
 
 
 class CommFuture:
@@ -54,26 +54,43 @@ class CommFuture:
         "t_issue",
         "t_done",
         "nbytes",
-        "detail",
     )
 
-    def __init__(self, engine: Engine, kind: str, lane: Lane) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        kind: str,
+        lane: Lane,
+        seq: int,
+        start: Callable[..., Any] | None,
+        args: tuple[Any, ...] | None,
+        reads: tuple[tuple[int, int], ...],
+        writes: tuple[tuple[int, int], ...],
+        result: Any,
+        finish: Callable[[CommFuture], None] | None,
+        nbytes: int,
+        t_submit: float,
+    ) -> None:
+        # Only what is read before the operation finishes is set here (this runs for every
+        # operation); _error, _request and t_done are set when they come to exist.
         self._engine = engine
         self._state = PENDING
-        self._result: Any = None
-        self._error: BaseException | None = None
-        self._callbacks: list[Callable[[CommFuture], object]] | None = []
+        self._result = result
+        # () until the first callback arrives (no list per operation), None once terminal.
+        self._callbacks: list[Callable[[CommFuture], object]] | tuple[()] | None = ()
         self.kind = kind
         self.lane = lane
-        self.seq = 0
+        self.seq = seq
+        self._start = start
+        self._args = args
+        self._reads = reads
+        self._writes = writes
+        self._finish = finish
         self._deps_left = 0
         self._dependants: list[CommFuture] | None = None
-        self._finish: Callable[[CommFuture], None] | None = None
-        self._request: Any = None
+        self.nbytes = nbytes
+        self.t_submit = t_submit
         self.t_issue = 0.0
-        self.t_done = 0.0
-        self.nbytes = 0
-        self.detail = ""
 
     # -- state ---------------------------------------------------------------------------
 
@@ -110,9 +127,10 @@ class CommFuture:
         Raises:
             InvalidStateError: the operation has not finished.
         """
-        if self._state < DONE:
+        state = self._state
+        if state < DONE:
             raise InvalidStateError(f"{self!r} has not finished; use wait() or await it")
-        return self._error
+        return None if state == DONE else self._error
 
     def add_done_callback(self, fn: Callable[[CommFuture], object]) -> None:
         """Call ``fn(self)`` once the future is done (at once if it is already).
@@ -123,8 +141,10 @@ class CommFuture:
         callbacks = self._callbacks
         if callbacks is None:
             fn(self)
+        elif callbacks:
+            callbacks.append(fn)  # type: ignore[union-attr]
         else:
-            callbacks.append(fn)
+            self._callbacks = [fn]
 
     # -- waiting -------------------------------------------------------------------------
 
@@ -140,10 +160,10 @@ class CommFuture:
             RuntimeFinalizedError: the runtime was finalized before the operation finished.
             Exception: whatever failed the operation.
         """
+        if self._state < DONE:
+            _wait(self._engine, self, timeout)
         if self._state == DONE:
             return self._result
-        if self._state < DONE:
-            self._engine.wait_for(self, timeout)
         return self.result()
 
     def __await__(self) -> Generator[Any, None, Any]:

@@ -23,31 +23,35 @@ __all__ = ["HazardIndex"]
 
 
 class _Region:
-    """The unfinished accesses to one exact byte range, in submission order.
+    """The unfinished accesses to one exact byte range [start, stop), in submission order.
 
     Invariants:
     - ``accesses`` maps every unfinished operation touching the range to whether it writes.
     - unless ``broken``, every access older than ``writer`` finishes before ``writer`` can
-      (``writer`` depends on it), so ``writer`` and ``readers`` (the reads since) stand for all.
+      (``writer`` depends on it), so ``writer`` and ``readers`` (the reads since; None for
+      none) stand for all of them.
     - ``broken`` is set when an access ended abnormally (failed or cancelled) while older ones
       may still run; then conflicts come from the full ``accesses`` until the range is idle.
+    - ``other`` chains the regions that share this one's start (rare: a view and its base).
     """
 
-    __slots__ = ("accesses", "writer", "readers", "broken")
+    __slots__ = ("stop", "accesses", "writer", "readers", "broken", "other")
 
-    def __init__(self) -> None:
+    def __init__(self, stop: int) -> None:
+        self.stop = stop
         self.accesses: dict[CommFuture, bool] = {}
         self.writer: CommFuture | None = None
-        self.readers: dict[CommFuture, None] = {}  # ordered set
+        self.readers: dict[CommFuture, None] | None = None
         self.broken = False
+        self.other: _Region | None = None
 
 
 class HazardIndex:
     """Unfinished operations by the byte ranges they read and write.
 
     Invariants:
-    - ``_regions[start][stop]`` exists iff some unfinished operation reads or writes exactly
-      [start, stop); ``_starts`` is the sorted list of the keys of ``_regions``.
+    - ``_regions[start]`` heads the chain of regions starting at ``start``, each holding at
+      least one unfinished access; ``_starts`` is the sorted list of the keys of ``_regions``.
     - ``_maxlen`` is at least the length of every region present (it grows while any region
       exists and resets when none does; it bounds how far back an overlap query looks).
     """
@@ -55,7 +59,7 @@ class HazardIndex:
     __slots__ = ("_regions", "_starts", "_maxlen")
 
     def __init__(self) -> None:
-        self._regions: dict[int, dict[int, _Region]] = {}
+        self._regions: dict[int, _Region] = {}
         self._starts: list[int] = []
         self._maxlen = 0
 
@@ -63,7 +67,12 @@ class HazardIndex:
         return bool(self._starts)
 
     def __len__(self) -> int:
-        return sum(len(by_stop) for by_stop in self._regions.values())
+        n = 0
+        for region in self._regions.values():
+            while region is not None:
+                n += 1
+                region = region.other
+        return n
 
     def _overlapping(self, start: int, stop: int) -> list[_Region]:
         starts = self._starts
@@ -72,9 +81,11 @@ class HazardIndex:
         found = []
         regions = self._regions
         for i in range(lo, hi):
-            for rstop, region in regions[starts[i]].items():
-                if rstop > start:
+            region: _Region | None = regions[starts[i]]
+            while region is not None:
+                if region.stop > start:
                     found.append(region)
+                region = region.other
         return found
 
     def conflicts(
@@ -89,7 +100,8 @@ class HazardIndex:
                     continue
                 if region.writer is not None:
                     deps[region.writer] = None
-                deps.update(region.readers)
+                if region.readers:
+                    deps.update(region.readers)
         for start, stop in reads:
             for region in self._overlapping(start, stop):
                 if region.broken:
@@ -99,13 +111,18 @@ class HazardIndex:
         return deps
 
     def _region(self, start: int, stop: int) -> _Region:
-        by_stop = self._regions.get(start)
-        if by_stop is None:
-            by_stop = self._regions[start] = {}
-            insort(self._starts, start)
-        region = by_stop.get(stop)
+        head = self._regions.get(start)
+        region = head
+        while region is not None and region.stop != stop:
+            region = region.other
         if region is None:
-            region = by_stop[stop] = _Region()
+            region = _Region(stop)
+            if head is None:
+                self._regions[start] = region
+                insort(self._starts, start)
+            else:
+                region.other = head.other
+                head.other = region
             if stop - start > self._maxlen:
                 self._maxlen = stop - start
         return region
@@ -121,41 +138,52 @@ class HazardIndex:
             region = self._region(start, stop)
             region.accesses[fut] = True
             region.writer = fut
-            region.readers = {}
+            region.readers = None
         for start, stop in reads:
             region = self._region(start, stop)
             if fut not in region.accesses:
                 region.accesses[fut] = False
-                region.readers[fut] = None
+                if region.readers is None:
+                    region.readers = {fut: None}
+                else:
+                    region.readers[fut] = None
 
     def remove(
         self,
         fut: CommFuture,
         reads: tuple[tuple[int, int], ...],
         writes: tuple[tuple[int, int], ...],
-        *,
         normal: bool,
     ) -> None:
         """Forget ``fut``'s accesses; ``normal`` is False when it failed or was cancelled."""
-        regions = self._regions
-        for start, stop in (*writes, *reads):
-            by_stop = regions.get(start)
-            if by_stop is None:
-                continue
-            region = by_stop.get(stop)
-            if region is None or region.accesses.pop(fut, None) is None:
-                continue
-            if region.accesses:
-                if region.writer is fut:
-                    region.writer = None
-                region.readers.pop(fut, None)
-                if not normal:
-                    region.broken = True
-                continue
-            del by_stop[stop]
-            if not by_stop:
-                del regions[start]
-                starts = self._starts
-                del starts[bisect_left(starts, start)]
+        for start, stop in writes:
+            self._forget(fut, start, stop, normal)
+        for start, stop in reads:
+            self._forget(fut, start, stop, normal)
         if not self._starts:
             self._maxlen = 0
+
+    def _forget(self, fut: CommFuture, start: int, stop: int, normal: bool) -> None:
+        head = self._regions.get(start)
+        prev = None
+        region = head
+        while region is not None and region.stop != stop:
+            prev, region = region, region.other
+        if region is None or region.accesses.pop(fut, None) is None:
+            return
+        if region.accesses:
+            if region.writer is fut:
+                region.writer = None
+            if region.readers:
+                region.readers.pop(fut, None)
+            if not normal:
+                region.broken = True
+            return
+        if prev is not None:
+            prev.other = region.other
+        elif region.other is not None:
+            self._regions[start] = region.other
+        else:
+            del self._regions[start]
+            starts = self._starts
+            del starts[bisect_left(starts, start)]

@@ -30,7 +30,7 @@ from .._errors import (
 from . import _drivers
 from ._future import CANCELLED, DONE, FAILED, ISSUED, PENDING, STATE_NAMES, CommFuture
 from ._hazards import HazardIndex
-from ._lanes import Lane, OpRecord, flight_record
+from ._lanes import Lane, flight_record
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -85,6 +85,8 @@ class Engine:
       backend's ``_Track`` (ISSUED); ``_unfinished`` counts them.
     - dependency edges point from a future to futures submitted before it (rule 3 of DESIGN.md),
       so the wait-for graph of a rank is acyclic.
+    - the hazard index holds the ranges of every unfinished operation except ``_unindexed``,
+      which is the newest submitted one (so the index always holds a prefix of submissions).
     """
 
     def __init__(
@@ -104,6 +106,10 @@ class Engine:
         self._lanes: dict[tuple[str, str], Lane] = {}
         self._due: list[tuple[Callable[[CommFuture], object], CommFuture]] = []
         self._work: deque[tuple[CommFuture, BaseException | None]] = deque()
+        # The newest operation, if it was issued at once and is unfinished, has its ranges
+        # recorded only when the next one arrives: a program that waits for each operation
+        # before the next never pays for the hazard index.
+        self._unindexed: CommFuture | None = None
         self._unfinished = 0
         self._closed = False
         self._closed_why = ""
@@ -114,8 +120,9 @@ class Engine:
         self._next_check = 0.0
         #: Number of threads or tasks driving progress in a wait right now.
         self.drivers = 0
-        self._n_submitted = self._n_issued = self._n_completed = 0
-        self._n_failed = self._n_cancelled = self._n_polls = 0
+        # Counters: submitted and issued are derived in stats() (two fewer increments per op).
+        self._n_completed = self._n_failed = self._n_cancelled = self._n_polls = 0
+        self._n_dropped = 0  # failed or cancelled before they were issued
         self._thread: _drivers.ProgressThread | None = (
             _drivers.ProgressThread(self) if background else None
         )
@@ -131,9 +138,11 @@ class Engine:
                 lane = self._lanes.get(key)
                 if lane is None:
                     lane = self._lanes[key] = Lane(backend, group, comm_name)
-                    if backend not in self._tracks:
+                    track = self._tracks.get(backend)
+                    if track is None:
                         track = self._tracks[backend] = _Track(backend)
                         self._track_list.append(track)
+                    lane.track = track
         return lane
 
     def lanes(self) -> list[Lane]:
@@ -157,7 +166,6 @@ class Engine:
         reads: Ranges,
         writes: Ranges,
         result: Any,
-        *,
         finish: Callable[[CommFuture], None] | None = None,
         after: Iterable[CommFuture] = (),
         nbytes: int = 0,
@@ -170,29 +178,36 @@ class Engine:
         """
         if after:
             after = self._check_after(after)
-        fut = CommFuture(self, kind, lane)
-        fut.seq = seq
-        fut._start = start
-        fut._args = args
-        fut._reads = reads
-        fut._writes = writes
-        fut._result = result
-        fut._finish = finish
-        fut.nbytes = nbytes
-        fut.t_submit = self._clock()
-        with self._lock:
+        fut = CommFuture(self, kind, lane, seq, start, args, reads, writes, result, finish,
+                         nbytes, self._clock())
+        lock = self._lock
+        lock.acquire()
+        try:
             if self._closed:
                 raise RuntimeFinalizedError(
                     f"cannot submit {kind}: the runtime was finalized ({self._closed_why})"
                 )
-            self._n_submitted += 1
             self._unfinished += 1
             hazards = self._hazards
-            deps = hazards.conflicts(reads, writes) if hazards else None
+            last = self._unindexed
+            if last is not None:
+                # The previous operation is still unfinished: its ranges matter now.
+                self._unindexed = None
+                if last._reads or last._writes:
+                    hazards.add(last, last._reads, last._writes)
+            deps = hazards.conflicts(reads, writes) if hazards._starts else None
             if after:
                 deps = self._after_edges(fut, after, deps)
             if deps is None and after:
-                pass  # an after= dependency failed already: fut is queued to fail with it
+                self._run_work()  # an after= dependency failed already: fut fails with it
+            elif not deps and not lane.pending:
+                # Issue first, then record the ranges: the network starts sooner, and under
+                # the lock nobody sees the difference (_issue only queues a completion, so the
+                # ranges are in place before anything settles).
+                self._issue(fut)
+                self._unindexed = fut
+                if self._work:
+                    self._run_work()
             else:
                 if reads or writes:
                     hazards.add(fut, reads, writes)
@@ -204,13 +219,9 @@ class Engine:
                             dep._dependants = [fut]
                         else:
                             dependants.append(fut)
-                    lane.pending.append(fut)
-                elif lane.pending:
-                    lane.pending.append(fut)
-                else:
-                    self._issue(fut)
-            if self._work:
-                self._run_work()
+                lane.pending.append(fut)
+        finally:
+            lock.release()
         if self._due:
             self._flush_due()
         thread = self._thread
@@ -257,7 +268,6 @@ class Engine:
             err.__cause__ = exc
             self._work.append((fut, err))
             return
-        self._n_issued += 1
         fut.t_issue = self._clock()
         if req is None:
             fut._state = ISSUED
@@ -265,7 +275,7 @@ class Engine:
             return
         fut._state = ISSUED
         fut._request = req
-        track = self._tracks[fut.lane.backend]
+        track = fut.lane.track
         track.futs.append(fut)
         track.reqs.append(req)
 
@@ -290,7 +300,28 @@ class Engine:
             self._settle(fut, error)
 
     def _settle(self, fut: CommFuture, error: BaseException | None) -> None:
+        """Finish ``fut``: run its finishing step, resolve it, release what depends on it."""
         state = fut._state
+        if error is None and state == ISSUED and fut._finish is None:
+            # The common case, kept short: every line here runs once per operation.
+            fut.t_done = now = self._clock()
+            if fut is self._unindexed:
+                self._unindexed = None
+            elif fut._reads or fut._writes:
+                self._hazards.remove(fut, fut._reads, fut._writes, True)
+            self._unfinished -= 1
+            self._n_completed += 1
+            fut._state = DONE
+            fut.lane.history.append((fut.kind, fut.seq, DONE, fut.nbytes, fut.t_submit,
+                                     fut.t_issue, now, ""))
+            fut._args = fut._request = None  # release buffers and scratch space now
+            callbacks = fut._callbacks
+            fut._callbacks = None
+            if callbacks:
+                self._due.extend((cb, fut) for cb in callbacks)
+            if fut._dependants:
+                self._release(fut, None)
+            return
         if state >= DONE:
             return
         if error is None and fut._finish is not None:
@@ -300,14 +331,18 @@ class Engine:
                 error = BackendError(f"{fut.kind}#{fut.seq}: finishing step failed: {exc}")
                 error.__cause__ = exc
         fut.t_done = now = self._clock()
-        if fut._reads or fut._writes:
-            self._hazards.remove(fut, fut._reads, fut._writes, normal=error is None)
+        if fut is self._unindexed:
+            self._unindexed = None
+        elif fut._reads or fut._writes:
+            self._hazards.remove(fut, fut._reads, fut._writes, error is None)
         self._unfinished -= 1
         lane = fut.lane
         if error is None:
             fut._state = DONE
             self._n_completed += 1
         else:
+            if state == PENDING:
+                self._n_dropped += 1
             if isinstance(error, FutureCancelledError):
                 fut._state = CANCELLED
                 self._n_cancelled += 1
@@ -316,37 +351,39 @@ class Engine:
                 self._n_failed += 1
             fut._error = error
             fut._result = None
-        lane.history.append(
-            OpRecord(fut.kind, fut.seq, STATE_NAMES[fut._state], fut.nbytes, fut.t_submit,
-                     fut.t_issue, now, fut.detail)
-        )
-        fut._start = fut._args = fut._request = fut._finish = None
+        lane.history.append((fut.kind, fut.seq, fut._state, fut.nbytes, fut.t_submit,
+                             fut.t_issue, now, ""))
+        fut._args = fut._request = None
         callbacks = fut._callbacks
         fut._callbacks = None
         if callbacks:
             self._due.extend((cb, fut) for cb in callbacks)
         if state == PENDING and lane.pending and lane.pending[0] is fut:
             self._pump(lane)
+        if fut._dependants:
+            self._release(fut, error)
+
+    def _release(self, fut: CommFuture, error: BaseException | None) -> None:
+        """Tell ``fut``'s dependants it finished: issue the ready ones, or fail them all."""
         dependants = fut._dependants
-        if dependants:
-            fut._dependants = None
-            if error is None:
-                for dep in dependants:
-                    dep._deps_left -= 1
-                    if dep._deps_left == 0 and dep._state == PENDING:
-                        dlane = dep.lane
-                        if dlane.pending and dlane.pending[0] is dep:
-                            self._pump(dlane)
-            else:
-                for dep in dependants:
-                    if dep._state < DONE:
-                        self._work.append(
-                            (dep, DependencyFailedError(
-                                f"{dep.kind}#{dep.seq} on {dep.lane.backend_name} depends on "
-                                f"{fut.kind}#{fut.seq}, which {STATE_NAMES[fut._state].lower()}: "
-                                f"{error}"
-                            ))
-                        )
+        fut._dependants = None
+        if error is None:
+            for dep in dependants:  # type: ignore[union-attr]
+                dep._deps_left -= 1
+                if dep._deps_left == 0 and dep._state == PENDING:
+                    dlane = dep.lane
+                    if dlane.pending and dlane.pending[0] is dep:
+                        self._pump(dlane)
+            return
+        for dep in dependants:  # type: ignore[union-attr]
+            if dep._state < DONE:
+                self._work.append(
+                    (dep, DependencyFailedError(
+                        f"{dep.kind}#{dep.seq} on {dep.lane.backend_name} depends on "
+                        f"{fut.kind}#{fut.seq}, which {STATE_NAMES[fut._state].lower()}: "
+                        f"{error}"
+                    ))
+                )
 
     def _flush_due(self) -> None:
         due, self._due = self._due, []
@@ -361,7 +398,8 @@ class Engine:
         Returns True if anything finished. Returns False at once if another thread is
         polling (the lock is busy): that thread is making the same progress.
         """
-        if not self._lock.acquire(blocking=False):
+        lock = self._lock
+        if not lock.acquire(False):
             return False
         try:
             self._n_polls += 1
@@ -375,18 +413,22 @@ class Engine:
                     continue
                 progressed = True
                 futs = track.futs
-                finished = [(futs[i], err) for i, err in done]
-                if len(finished) == len(futs):
+                if len(done) == len(futs):
                     track.futs = []
                     track.reqs = []
+                    if len(done) == 1:
+                        self._settle(futs[0], done[0][1])
+                    else:
+                        self._work.extend((futs[i], err) for i, err in done)
                 else:
                     gone = {i for i, _ in done}
                     track.futs = [f for i, f in enumerate(futs) if i not in gone]
                     track.reqs = [r for i, r in enumerate(reqs) if i not in gone]
-                self._work.extend(finished)
-                self._run_work()
+                    self._work.extend((futs[i], err) for i, err in done)
+                if self._work:
+                    self._run_work()
         finally:
-            self._lock.release()
+            lock.release()
         if self._due:
             self._flush_due()
         return progressed
@@ -406,10 +448,6 @@ class Engine:
 
     def wait_for(self, fut: CommFuture, timeout: float | None = None) -> None:
         """Drive progress from this thread until ``fut`` is done (see ``_drivers.wait``)."""
-        if self._closed and fut._state < DONE:
-            raise RuntimeFinalizedError(
-                f"cannot wait on {fut!r}: the runtime was finalized ({self._closed_why})"
-            )
         _drivers.wait(self, fut, timeout)
 
     def drive_async(self, fut: CommFuture) -> Generator[Any, None, None]:
@@ -419,6 +457,11 @@ class Engine:
                 f"cannot await {fut!r}: the runtime was finalized ({self._closed_why})"
             )
         return _drivers.drive_async(self, fut)
+
+    @property
+    def has_background(self) -> bool:
+        """Whether a background progress thread polls while nobody waits."""
+        return self._thread is not None
 
     def wake_background(self) -> None:
         """Let the background thread poll (called when a driver leaves with work in flight)."""
@@ -450,7 +493,7 @@ class Engine:
                 self._work.append((fut, CommTimeoutError(
                     f"{fut.kind}#{fut.seq} on lane {fut.lane.backend_name}:{fut.lane.comm_name} "
                     f"(rank {fut.lane.rank} of {fut.lane.size}) did not finish within "
-                    f"{timeout:g} s of being issued{fut.detail and ' (' + fut.detail + ')'}; "
+                    f"{timeout:g} s of being issued; "
                     "the peers it needs have not all arrived"
                 )))
             self._run_work()
@@ -520,13 +563,16 @@ class Engine:
         """A snapshot of the engine's counters."""
         with self._lock:
             in_flight = sum(len(t.futs) for t in self._track_list)
+            finished = self._n_completed + self._n_failed + self._n_cancelled
+            submitted = finished + self._unfinished
+            pending = self._unfinished - in_flight
             return EngineStats(
-                submitted=self._n_submitted,
-                issued=self._n_issued,
+                submitted=submitted,
+                issued=submitted - pending - self._n_dropped,
                 completed=self._n_completed,
                 failed=self._n_failed,
                 cancelled=self._n_cancelled,
-                pending=self._unfinished - in_flight,
+                pending=pending,
                 in_flight=in_flight,
                 polls=self._n_polls,
                 lanes=len(self._lanes),

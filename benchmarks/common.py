@@ -1,0 +1,39 @@
+"""Helpers shared by the benchmarks: size ranges and human-readable byte counts."""
+
+from __future__ import annotations
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """``"4"``, ``"64K"``, ``"16M"`` -> bytes."""
+    text = text.strip().upper().rstrip("B")
+    unit = text[-1] if text and text[-1] in _UNITS else ""
+    number = text[: len(text) - len(unit)]
+    try:
+        return int(float(number) * _UNITS[unit])
+    except ValueError:
+        raise ValueError(f"{text!r} is not a byte count like 4, 64K or 16M") from None
+
+
+def parse_sizes(spec: str, base: int = 4) -> list[int]:
+    """``"4:64M"`` -> [4, 16, 64, ..., 64M] (powers of ``base``); ``"1K,1M"`` -> those two."""
+    if "," in spec:
+        return [parse_bytes(s) for s in spec.split(",")]
+    lo, _, hi = spec.partition(":")
+    lo_b, hi_b = parse_bytes(lo), parse_bytes(hi or lo)
+    if lo_b <= 0 or hi_b < lo_b:
+        raise ValueError(f"size range {spec!r} must read lo:hi with 0 < lo <= hi")
+    sizes, s = [], lo_b
+    while s <= hi_b:
+        sizes.append(s)
+        s *= base
+    return sizes
+
+
+def human(nbytes: int) -> str:
+    """4 -> '4B', 65536 -> '64K', 1 << 20 -> '1M'."""
+    for unit in ("G", "M", "K"):
+        if nbytes >= _UNITS[unit] and nbytes % _UNITS[unit] == 0:
+            return f"{nbytes // _UNITS[unit]}{unit}"
+    return f"{nbytes}B"

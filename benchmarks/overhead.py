@@ -1,0 +1,254 @@
+"""mcrdl's cost over the raw backends, measured side by side in one run.
+
+    mpiexec -n 2 python benchmarks/overhead.py                 # latency table, 4 B .. 64 MiB
+    mpiexec -n 4 python benchmarks/overhead.py --sizes 4:4K    # oversubscribed: 4 ranks, 2 cores
+    mpiexec -n 2 python benchmarks/overhead.py --section inflight
+
+For each operation and size it times, interleaved: raw mpi4py (blocking calls on the same
+tensors' numpy views), raw torch.distributed gloo (blocking), and mcrdl on each backend with
+``.wait()`` and with ``await`` (uvloop). Each cell is the slowest rank's median (as
+nccl-tests reports). The ``inflight`` section submits N independent operations before waiting
+for any and reports the cost per operation as N grows from 10 to 10,000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mcrdl  # noqa: E402
+from common import parse_sizes, human  # noqa: E402
+
+OPS = ("allreduce", "alltoall", "allgather", "broadcast")
+
+
+def iters_for(nbytes: int, scale: float) -> int:
+    """A rank-invariant iteration count (timing-based counts desynchronize ranks)."""
+    if nbytes <= 4096:
+        n = 2000
+    elif nbytes <= 1 << 20:
+        n = 200
+    elif nbytes <= 16 << 20:
+        n = 20
+    else:
+        n = 6
+    return max(3, int(n * scale))
+
+
+class Bench:
+    def __init__(self, comm: mcrdl.Communicator) -> None:
+        import torch.distributed as dist
+        from mpi4py import MPI
+
+        self.comm = comm
+        self.MPI = MPI
+        self.n = comm.size
+        self.raw_mpi = MPI.COMM_WORLD.Dup()
+        store = dist.PrefixStore("bench/raw", comm.runtime.bootstrap.store())
+        dist.init_process_group("gloo", store=store, rank=comm.rank, world_size=comm.size)
+        self.dist = dist
+
+    def sync(self) -> None:
+        self.raw_mpi.Barrier()
+
+    def slowest(self, value: float) -> float:
+        return self.raw_mpi.allreduce(value, op=self.MPI.MAX)
+
+    # -- the methods, one callable per (op, method) ----------------------------------------
+
+    def raw_mpi_call(self, op: str, t: torch.Tensor, out: torch.Tensor):
+        a, o, c, IN_PLACE = t.numpy(), out.numpy(), self.raw_mpi, self.MPI.IN_PLACE
+        return {
+            "allreduce": lambda: c.Allreduce(IN_PLACE, a),
+            "alltoall": lambda: c.Alltoall(a, o),
+            "allgather": lambda: c.Allgather(a, o),
+            "broadcast": lambda: c.Bcast(a, 0),
+        }[op]
+
+    def raw_gloo_call(self, op: str, t: torch.Tensor, out: torch.Tensor):
+        d = self.dist
+        return {
+            "allreduce": lambda: d.all_reduce(t),
+            "alltoall": lambda: d.all_to_all_single(out, t),
+            "allgather": lambda: d.all_gather_into_tensor(out, t),
+            "broadcast": lambda: d.broadcast(t, 0),
+        }[op]
+
+    def mcrdl_submit(self, op: str, t: torch.Tensor, out: torch.Tensor, backend: str):
+        c = self.comm
+        return {
+            "allreduce": lambda: c.allreduce(t, backend=backend),
+            "alltoall": lambda: c.alltoall(t, out=out, backend=backend),
+            "allgather": lambda: c.allgather(t, out=out, backend=backend),
+            "broadcast": lambda: c.broadcast(t, 0, backend=backend),
+        }[op]
+
+    # -- timing ------------------------------------------------------------------------
+
+    def time_sync(self, call, iters: int) -> float:
+        self.sync()
+        for _ in range(min(10, iters)):
+            call()
+        self.sync()
+        samples = []
+        clock = time.perf_counter
+        for _ in range(iters):
+            t0 = clock()
+            call()
+            samples.append(clock() - t0)
+        return statistics.median(samples)
+
+    def time_async(self, submit, iters: int) -> float:
+        async def run() -> float:
+            for _ in range(min(10, iters)):
+                await submit()
+            self.sync()
+            samples = []
+            clock = time.perf_counter
+            for _ in range(iters):
+                t0 = clock()
+                await submit()
+                samples.append(clock() - t0)
+            return statistics.median(samples)
+
+        self.sync()
+        try:
+            import uvloop
+
+            return uvloop.run(run())
+        except ImportError:
+            return asyncio.run(run())
+
+    def latency_point(self, op: str, nbytes: int, scale: float) -> dict[str, float]:
+        n = self.n
+        elems = max(1, nbytes // 4)
+        if op in ("alltoall",):
+            elems = max(n, elems // n * n)
+        t = torch.ones(elems, dtype=torch.float32)
+        if op == "allreduce":
+            t.zero_()  # sums of zeros stay finite however often they run
+        out = torch.empty(elems * (n if op == "allgather" else 1), dtype=torch.float32)
+        iters = iters_for(nbytes, scale)
+        res: dict[str, float] = {}
+        res["raw_mpi"] = self.time_sync(self.raw_mpi_call(op, t, out), iters)
+        res["mpi_wait"] = self.time_sync(
+            (lambda s: lambda: s().wait())(self.mcrdl_submit(op, t, out, "mpi")), iters)
+        res["mpi_await"] = self.time_async(self.mcrdl_submit(op, t, out, "mpi"), iters)
+        giters = max(3, iters // 10) if nbytes <= 4096 else iters
+        res["raw_gloo"] = self.time_sync(self.raw_gloo_call(op, t, out), giters)
+        res["gloo_wait"] = self.time_sync(
+            (lambda s: lambda: s().wait())(self.mcrdl_submit(op, t, out, "gloo")), giters)
+        res["gloo_await"] = self.time_async(self.mcrdl_submit(op, t, out, "gloo"), giters)
+        return {k: self.slowest(v) for k, v in res.items()}
+
+    def inflight_point(self, count: int, reps: int) -> dict[str, float]:
+        """Submit ``count`` independent 4-byte allreduces on mpi, then wait for all."""
+        bufs = [torch.zeros(1) for _ in range(count)]
+        arrays = [b.numpy() for b in bufs]
+        c = self.raw_mpi
+        MPI = self.MPI
+
+        def raw() -> None:
+            reqs = [c.Iallreduce(MPI.IN_PLACE, a) for a in arrays]
+            MPI.Request.Waitall(reqs)
+
+        def ours() -> None:
+            futs = [self.comm.allreduce(b, backend="mpi") for b in bufs]
+            for f in futs:
+                f.wait()
+
+        out = {}
+        for name, fn in (("raw", raw), ("mcrdl", ours)):
+            self.sync()
+            fn()
+            samples = []
+            for _ in range(reps):
+                self.sync()
+                t0 = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - t0) / count)
+            out[name] = self.slowest(statistics.median(samples))
+        return out
+
+
+def latency_table(bench: Bench, sizes: list[int], ops: list[str], scale: float) -> list[dict]:
+    rows = []
+    for op in ops:
+        for nbytes in sizes:
+            r = bench.latency_point(op, nbytes, scale)
+            r.update(op=op, bytes=nbytes)
+            rows.append(r)
+            if bench.comm.rank == 0:
+                print(format_row(r), flush=True)
+    return rows
+
+
+HEADER = (f"{'op':<10} {'size':>7} | {'raw mpi':>9} {'wait':>9} {'+µs':>6} {'await':>9} {'+µs':>6}"
+          f" {'bw ratio':>8} | {'raw gloo':>9} {'wait':>9} {'ratio':>6} {'await':>9} {'ratio':>6}")
+
+
+def format_row(r: dict) -> str:
+    us = 1e6
+    bw = r["raw_mpi"] / r["mpi_wait"]
+    return (f"{r['op']:<10} {human(r['bytes']):>7} | {r['raw_mpi'] * us:9.1f} {r['mpi_wait'] * us:9.1f}"
+            f" {(r['mpi_wait'] - r['raw_mpi']) * us:+6.1f} {r['mpi_await'] * us:9.1f}"
+            f" {(r['mpi_await'] - r['raw_mpi']) * us:+6.1f} {bw:8.3f} | {r['raw_gloo'] * us:9.1f}"
+            f" {r['gloo_wait'] * us:9.1f} {r['gloo_wait'] / r['raw_gloo']:6.2f}"
+            f" {r['gloo_await'] * us:9.1f} {r['gloo_await'] / r['raw_gloo']:6.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="4:64M", help="lo:hi in bytes (powers of 4), e.g. 4:4K")
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--section", choices=["latency", "inflight", "all"], default="latency")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply iteration counts")
+    ap.add_argument("--json", help="write the measurements here (rank 0)")
+    args = ap.parse_args()
+    comm = mcrdl.init()
+    bench = Bench(comm)
+    report: dict = {"ranks": comm.size, "cores": os.cpu_count()}
+    if comm.rank == 0:
+        print(f"# mcrdl {mcrdl.__version__} overhead, {comm.size} ranks, {os.cpu_count()} cores;"
+              " median µs of the slowest rank; +µs = mcrdl - raw mpi; bw ratio = raw/mcrdl time")
+    if args.section in ("latency", "all"):
+        if comm.rank == 0:
+            print(HEADER, flush=True)
+        report["latency"] = latency_table(bench, parse_sizes(args.sizes, base=4),
+                                          args.ops.split(","), args.scale)
+    if args.section in ("inflight", "all"):
+        rows = []
+        if comm.rank == 0:
+            print(f"\n# {'in flight':>9} | {'raw µs/op':>10} {'mcrdl µs/op':>12} {'engine µs/op':>13}")
+        for count in (10, 100, 1000, 10000):
+            r = bench.inflight_point(count, reps=max(3, int(2000 / count * args.scale)))
+            r["count"] = count
+            rows.append(r)
+            if comm.rank == 0:
+                print(f"  {count:>9} | {r['raw'] * 1e6:10.2f} {r['mcrdl'] * 1e6:12.2f}"
+                      f" {(r['mcrdl'] - r['raw']) * 1e6:13.2f}", flush=True)
+        if comm.rank == 0:
+            growth = rows[-1]["mcrdl"] / rows[0]["mcrdl"]
+            eng = [(r["mcrdl"] - r["raw"]) for r in rows]
+            print(f"  mcrdl per-op growth 10 -> 10,000 in flight: {growth:.2f}x; "
+                  f"engine-only: {eng[-1] / eng[0]:.2f}x")
+        report["inflight"] = rows
+    if args.json and comm.rank == 0:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    bench.dist.destroy_process_group()
+    mcrdl.finalize()
+
+
+if __name__ == "__main__":
+    main()
