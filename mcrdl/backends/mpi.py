@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import zlib
+from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,13 @@ from ._contract import Backend, Bootstrap, Capabilities, Request
 if TYPE_CHECKING:
     from .._buffers import Buffer
 
-__all__ = ["MPIBackend"]
+__all__ = ["MPIBackend", "SEGMENT_BYTES", "SEGMENT_FROM", "SEGMENT_WINDOW"]
+
+#: Allreduces of at least this many bytes are cut into segments (see _Segmented).
+SEGMENT_FROM = 8 << 20
+#: Bytes per segment, and segments in flight at once per communicator.
+SEGMENT_BYTES = 2 << 20
+SEGMENT_WINDOW = 2
 
 _INTS = frozenset({DType.UINT8, DType.INT8, DType.INT16, DType.INT32, DType.INT64,
                    DType.UINT16, DType.UINT32, DType.UINT64})
@@ -35,12 +42,43 @@ _COMPLEX = frozenset({DType.COMPLEX64, DType.COMPLEX128})
 
 
 class _MPIGroup:
-    __slots__ = ("comm", "rank", "size")
+    __slots__ = ("comm", "rank", "size", "seg_comm", "segq")
 
     def __init__(self, comm: Any) -> None:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        # Segmented reductions run on a communicator of their own, their segments issued in
+        # the order the operations were started (segq), so that segments of different
+        # operations can never interleave differently on different ranks.
+        self.seg_comm = comm.Dup()
+        self.segq: deque[_Segmented] = deque()
+
+
+class _Segmented:
+    """A large allreduce cut into segments, a window of them in flight at a time.
+
+    MPICH's nonblocking allreduce of 64 MiB takes ~28 ms here where its blocking one takes
+    ~19 ms; 2 MiB segments two at a time take ~10 ms (and 16 MiB: 2.1 ms against 4.6 ms).
+
+    Invariants: ``pieces[next:]`` are not issued yet; ``active`` holds the issued, unfinished
+    segment requests; segments are issued in order, and only by ``MPIBackend._advance``.
+    """
+
+    __slots__ = ("backend", "group", "pieces", "next", "active", "op", "error")
+
+    def __init__(self, backend: MPIBackend, group: _MPIGroup, pieces: list[Any], op: Any) -> None:
+        self.backend = backend
+        self.group = group
+        self.pieces = pieces
+        self.next = 0
+        self.active: list[Any] = []
+        self.op = op
+        self.error: BaseException | None = None
+
+    def Test(self) -> bool:  # noqa: N802 - quacks like an MPI.Request for MPIBackend.test
+        """Advance this operation's segments; True once all have finished."""
+        return self.backend._segment_test(self)
 
     def __repr__(self) -> str:
         return f"<mpi group rank={self.rank}/{self.size}>"
@@ -130,7 +168,8 @@ class MPIBackend(Backend):
     def free_group(self, group: _MPIGroup) -> None:
         if group.comm is not None:
             group.comm.Free()
-            group.comm = None
+            group.seg_comm.Free()
+            group.comm = group.seg_comm = None
 
     def close(self) -> None:
         self.free_group(self._world)
@@ -163,9 +202,61 @@ class MPIBackend(Backend):
 
     def start_allreduce(self, group: _MPIGroup, buf: Buffer, op: ReduceOp) -> Request:
         obj, dtype, nbytes, start, is_torch, _ = buf
-        msg = [self._fromaddress(start, nbytes) if is_torch else obj, self._types[dtype]]
         ops = self._bool_ops if dtype is DType.BOOL else self._ops
+        if nbytes >= SEGMENT_FROM and group.size > 1:
+            return self._segmented(group, buf, ops[op])
+        msg = [self._fromaddress(start, nbytes) if is_torch else obj, self._types[dtype]]
         return group.comm.Iallreduce(self._IN_PLACE, msg, ops[op])
+
+    # -- segmented reductions ------------------------------------------------------------
+
+    def _segmented(self, group: _MPIGroup, buf: Buffer, op: Any) -> _Segmented:
+        obj, dtype, nbytes, start, is_torch, _ = buf
+        mpitype = self._types[dtype]
+        itemsize = nbytes // max(1, _numel(obj))
+        step = SEGMENT_BYTES // itemsize * itemsize
+        if is_torch:
+            pieces = [[self._fromaddress(start + off, min(step, nbytes - off)), mpitype]
+                      for off in range(0, nbytes, step)]
+        else:
+            flat = obj.reshape(-1)
+            n = step // itemsize
+            pieces = [[flat[i:i + n], mpitype] for i in range(0, flat.size, n)]
+        seg = _Segmented(self, group, pieces, op)
+        group.segq.append(seg)
+        self._advance(group)
+        return seg
+
+    def _advance(self, group: _MPIGroup) -> None:
+        """Issue queued segments, oldest operation first, while the window has room."""
+        room = SEGMENT_WINDOW - sum(len(s.active) for s in group.segq)
+        for seg in group.segq:
+            while room > 0 and seg.next < len(seg.pieces):
+                piece = seg.pieces[seg.next]
+                seg.next += 1
+                seg.active.append(group.seg_comm.Iallreduce(self._IN_PLACE, piece, seg.op))
+                room -= 1
+            if seg.next < len(seg.pieces):
+                return  # a later operation's segments wait for all of this one's
+
+    def _segment_test(self, seg: _Segmented) -> bool:
+        if seg.active:
+            try:
+                if self._MPI.Request.Testall(seg.active):
+                    seg.active = []
+            except self._MPI.Exception as exc:
+                seg.error = BackendError(f"MPI: {exc.Get_error_string()}")
+                seg.active = []
+                seg.next = len(seg.pieces)
+        group = seg.group
+        self._advance(group)
+        if seg.active or seg.next < len(seg.pieces):
+            return False
+        group.segq.remove(seg)
+        self._advance(group)
+        if seg.error is not None:
+            raise seg.error
+        return True
 
     def start_gather(self, group: _MPIGroup, buf: Buffer, out: Buffer | None, root: int) -> Request:
         recv = self._msg(out) if out is not None else None
@@ -212,6 +303,10 @@ class MPIBackend(Backend):
                 return [(0, None)] if requests[0].Test() else []
             except self._MPI.Exception as exc:
                 return [(0, BackendError(f"MPI: {exc.Get_error_string()}"))]
+            except BackendError as exc:
+                return [(0, exc)]
+        if any(type(r) is _Segmented for r in requests):
+            return self._test_each(requests)
         statuses = self._statuses
         if len(statuses) < len(requests):
             statuses.extend(self._MPI.Status() for _ in range(len(requests) - len(statuses)))
@@ -220,6 +315,19 @@ class MPIBackend(Backend):
         except self._MPI.Exception:
             return self._failed_some(requests, statuses)
         return [(i, None) for i in done] if done else []
+
+    def _test_each(self, requests: list[Request]) -> list[tuple[int, BaseException | None]]:
+        """One Test per request (segmented operations are not MPI requests)."""
+        out: list[tuple[int, BaseException | None]] = []
+        for i, req in enumerate(requests):
+            try:
+                if req.Test():
+                    out.append((i, None))
+            except self._MPI.Exception as exc:
+                out.append((i, BackendError(f"MPI: {exc.Get_error_string()}")))
+            except BackendError as exc:
+                out.append((i, exc))
+        return out
 
     def _failed_some(
         self, requests: list[Request], statuses: list[Any]
@@ -237,6 +345,10 @@ class MPIBackend(Backend):
             else:
                 out.append((i, BackendError(f"MPI: {MPI.Get_error_string(code)}")))
         return out
+
+
+def _numel(obj: Any) -> int:
+    return int(obj.numel()) if hasattr(obj, "numel") and callable(obj.numel) else int(obj.size)
 
 
 def _displs(counts: Sequence[int]) -> list[int]:

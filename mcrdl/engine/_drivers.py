@@ -13,7 +13,8 @@ Idling is adaptive, because on 2 cores spinning starves gloo's own threads (0.2 
 2 ms) and oversubscribed MPI ranks (4.5 ms per op instead of ~20 µs): spin a few polls only
 when no self-progressing backend is in flight and the node is not oversubscribed, then
 ``os.sched_yield()`` between polls, then sleep for a small fraction of the time waited so far
-(so a long wait overshoots by a few per cent at most). ``asyncio.sleep`` was rejected as
+(so a long wait overshoots by a few per cent at most) -- but never sleep while MPI work is in
+flight: its data moves only inside polls, and sleeping doubled a 64 MiB allreduce. ``asyncio.sleep`` was rejected as
 back-off: its timer resolution made 4 ms steps. ``benchmarks/overhead.py`` measures the result.
 """
 
@@ -56,6 +57,8 @@ class PollPolicy:
         sleep_max: ...but never longer than this (seconds).
         background_min, background_max: the background thread's poll interval bounds; it
             doubles while nothing finishes and resets when something does.
+        deep_idle: seconds without work after which the background thread sleeps until a
+            submission wakes it (before that it naps ``background_max`` at a time).
         oversubscribed: more ranks than cores on this node: never spin.
     """
 
@@ -65,6 +68,7 @@ class PollPolicy:
     sleep_max: float = 1e-3
     background_min: float = 20e-6
     background_max: float = 1e-3
+    deep_idle: float = 0.1
     oversubscribed: bool = False
 
 
@@ -102,7 +106,7 @@ def wait(engine: Engine, fut: CommFuture, timeout: float | None) -> None:
                 )
             engine.check_deadlines(now)
             waited = now - t0
-            if waited < policy.yield_seconds:
+            if waited < policy.yield_seconds or engine.needs_polls():
                 _sched_yield()
             else:
                 _sleep(min(policy.sleep_max, waited * policy.sleep_fraction))
@@ -163,7 +167,7 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
             now = _clock()
             engine.check_deadlines(now)
             waited = now - t0
-            if waited >= policy.yield_seconds:
+            if waited >= policy.yield_seconds and not engine.needs_polls():
                 if engine.has_background:
                     break
                 # Nobody to hand the wait to: sleep in the loop instead of spinning it.
@@ -186,9 +190,14 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
 class ProgressThread:
     """Polls the engine while work is in flight and no waiter drives it.
 
+    Waking a thread costs its waker a GIL hand-off later, so submissions do not wake it: a
+    recently active thread naps ``background_max`` at a time and finds new work by itself;
+    only after ``deep_idle`` seconds without work does it sleep until a submission wakes it
+    (``deep``). A waiter that leaves with work still in flight wakes it at once.
+
     Invariants:
     - ``parked`` is True only while the thread is blocked (or about to block) on ``_wake``;
-      whoever makes work available while it is parked calls ``wake()``.
+      ``deep`` only while it blocks without a timeout.
     - the thread is started on the first ``wake()`` and is a daemon: a process that never
       finalizes still exits.
     """
@@ -201,6 +210,8 @@ class ProgressThread:
         self._thread: threading.Thread | None = None
         #: True while the thread waits to be woken (set before it blocks).
         self.parked = True
+        #: True while it waits without a timeout: only a wake() brings it back.
+        self.deep = True
 
     def wake(self) -> None:
         """Unpark the thread (start it the first time)."""
@@ -209,7 +220,7 @@ class ProgressThread:
                 return
             self._thread = threading.Thread(target=self._run, name="mcrdl-progress", daemon=True)
             self._thread.start()
-        self.parked = False
+        self.parked = self.deep = False
         try:
             self._wake.release()
         except RuntimeError:  # released already and not yet taken: it will not block
@@ -226,27 +237,34 @@ class ProgressThread:
     def _park(self, timeout: float) -> None:
         engine = self._engine
         self.parked = True
+        self.deep = timeout < 0
         # Re-check after publishing `parked`: work submitted just before must not be missed.
         if self._stop or (engine._unfinished and not engine.drivers):
-            self.parked = False
+            self.parked = self.deep = False
             return
         self._wake.acquire(True, timeout)
-        self.parked = False
+        self.parked = self.deep = False
 
     def _run(self) -> None:
         engine = self._engine
         policy = engine.policy
         interval = policy.background_min
+        idle_since = _clock()
         while not self._stop:
             if not engine._unfinished:
-                self._park(-1)
+                if _clock() - idle_since > policy.deep_idle:
+                    self._park(-1)
+                    idle_since = _clock()
+                else:
+                    self._park(policy.background_max)
                 interval = policy.background_min
                 continue
+            idle_since = _clock()
             if engine.drivers:
                 # A waiter drives; check back now and then (a leaving waiter wakes us).
                 self._park(policy.background_max)
                 continue
-            if engine.poll_once():
+            if engine.poll_once() or engine.needs_polls():
                 interval = policy.background_min
             else:
                 engine.check_deadlines(_clock())

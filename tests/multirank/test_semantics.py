@@ -294,3 +294,23 @@ def test_engine_stats_are_consistent(comm):
     s = comm.runtime.engine.stats()
     assert s.submitted == s.completed + s.failed + s.cancelled + s.pending + s.in_flight
     assert isinstance(s, mcrdl.EngineStats)
+
+
+def test_large_allreduces_in_segments_stay_matched(comm):
+    """>= 8 MiB allreduces on mpi run in segments; several in flight with small ones between."""
+    n = comm.size
+    big = (9 << 20) // 4 + 3  # not a multiple of the segment size
+    a = torch.full((big,), float(comm.rank + 1))
+    b = np.full((big // 2 + 1,), comm.rank + 1, dtype=np.int64)
+    c = torch.full((big,), 2.0)
+    small = torch.ones(5)
+    futs = [comm.allreduce(a, backend="mpi"), comm.allreduce(small, backend="mpi"),
+            comm.allreduce(b, ReduceOp.MAX, backend="mpi"), comm.allreduce(c, backend="mpi"),
+            comm.allreduce(a, backend="mpi")]  # depends on the first (same buffer)
+    for f in reversed(futs):
+        f.wait()
+    s = float(sum(range(1, n + 1)))
+    assert torch.all(a == s * n).item()
+    assert (b == n).all()
+    assert torch.all(c == 2.0 * n).item()
+    assert small.tolist() == [float(n)] * 5
