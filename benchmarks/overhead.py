@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import statistics
@@ -55,6 +56,10 @@ class Bench:
         self.MPI = MPI
         self.n = comm.size
         self.raw_mpi = MPI.COMM_WORLD.Dup()
+        self.alone = comm.split(comm.rank)  # a communicator of one: MPI finishes at issue
+        self.gc_time = 0.0
+        self._gc_t0 = 0.0
+        gc.callbacks.append(self._gc_watch)
         store = dist.PrefixStore("bench/raw", comm.runtime.bootstrap.store())
         dist.init_process_group("gloo", store=store, rank=comm.rank, world_size=comm.size)
         self.dist = dist
@@ -109,6 +114,28 @@ class Bench:
             samples.append(clock() - t0)
         return statistics.median(samples)
 
+    def time_pair(self, call_a, call_b, iters: int) -> tuple[float, float]:
+        """Time two calls alternately, so that both see the same machine (it drifts here)."""
+        self.sync()
+        for _ in range(min(10, iters)):
+            call_a()
+            call_b()
+        self.sync()
+        a, b = [], []
+        clock = time.perf_counter
+        for i in range(iters):
+            # A-B, then B-A: whichever runs second must not always pay for the first's
+            # leftovers (gloo finishes bookkeeping on its threads after wait() returns).
+            first, second, fa, fb = (call_a, call_b, a, b) if i % 2 == 0 else (call_b, call_a, b, a)
+            t0 = clock()
+            first()
+            t1 = clock()
+            second()
+            t2 = clock()
+            fa.append(t1 - t0)
+            fb.append(t2 - t1)
+        return statistics.median(a), statistics.median(b)
+
     def time_async(self, submit, iters: int) -> float:
         async def run() -> float:
             for _ in range(min(10, iters)):
@@ -141,45 +168,64 @@ class Bench:
         out = torch.empty(elems * (n if op == "allgather" else 1), dtype=torch.float32)
         iters = iters_for(nbytes, scale)
         res: dict[str, float] = {}
-        res["raw_mpi"] = self.time_sync(self.raw_mpi_call(op, t, out), iters)
-        res["mpi_wait"] = self.time_sync(
-            (lambda s: lambda: s().wait())(self.mcrdl_submit(op, t, out, "mpi")), iters)
-        res["mpi_await"] = self.time_async(self.mcrdl_submit(op, t, out, "mpi"), iters)
-        giters = max(3, iters // 10) if nbytes <= 4096 else iters
-        res["raw_gloo"] = self.time_sync(self.raw_gloo_call(op, t, out), giters)
-        res["gloo_wait"] = self.time_sync(
-            (lambda s: lambda: s().wait())(self.mcrdl_submit(op, t, out, "gloo")), giters)
-        res["gloo_await"] = self.time_async(self.mcrdl_submit(op, t, out, "gloo"), giters)
+        mpi_submit = self.mcrdl_submit(op, t, out, "mpi")
+        res["raw_mpi"], res["mpi_wait"] = self.time_pair(
+            self.raw_mpi_call(op, t, out), lambda: mpi_submit().wait(), iters)
+        res["mpi_await"] = self.time_async(mpi_submit, iters)
+        giters = max(3, iters // 4) if nbytes <= 4096 else iters
+        gloo_submit = self.mcrdl_submit(op, t, out, "gloo")
+        res["raw_gloo"], res["gloo_wait"] = self.time_pair(
+            self.raw_gloo_call(op, t, out), lambda: gloo_submit().wait(), giters)
+        res["gloo_await"] = self.time_async(gloo_submit, giters)
         return {k: self.slowest(v) for k, v in res.items()}
 
     def inflight_point(self, count: int, reps: int) -> dict[str, float]:
-        """Submit ``count`` independent 4-byte allreduces on mpi, then wait for all."""
+        """Submit ``count`` independent 4-byte allreduces on mpi, then wait for all.
+
+        Three figures per op: raw mpi4py (Iallreduce x count, Waitall) and mcrdl on the world
+        (both include MPICH's own cost, which grows with the requests it has in flight), and
+        mcrdl on a communicator of one rank, where MPI finishes at issue: the engine alone.
+        Time spent in Python's garbage collector is measured apart (its full collections scan
+        every live object of the process, torch's included).
+        """
         bufs = [torch.zeros(1) for _ in range(count)]
         arrays = [b.numpy() for b in bufs]
         c = self.raw_mpi
         MPI = self.MPI
+        alone = self.alone
 
         def raw() -> None:
             reqs = [c.Iallreduce(MPI.IN_PLACE, a) for a in arrays]
             MPI.Request.Waitall(reqs)
 
-        def ours() -> None:
-            futs = [self.comm.allreduce(b, backend="mpi") for b in bufs]
+        def ours(comm: mcrdl.Communicator) -> None:
+            futs = [comm.allreduce(b, backend="mpi") for b in bufs]
             for f in futs:
                 f.wait()
 
         out = {}
-        for name, fn in (("raw", raw), ("mcrdl", ours)):
+        for name, fn in (("raw", raw), ("mcrdl", lambda: ours(self.comm)),
+                         ("engine", lambda: ours(alone))):
             self.sync()
             fn()
-            samples = []
+            samples, gc_share = [], []
             for _ in range(reps):
                 self.sync()
+                self.gc_time = 0.0
                 t0 = time.perf_counter()
                 fn()
-                samples.append((time.perf_counter() - t0) / count)
+                dt = time.perf_counter() - t0
+                samples.append(dt / count)
+                gc_share.append(self.gc_time / count)
             out[name] = self.slowest(statistics.median(samples))
+            out[name + "_gc"] = self.slowest(statistics.median(gc_share))
         return out
+
+    def _gc_watch(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc_time += time.perf_counter() - self._gc_t0
 
 
 def latency_table(bench: Bench, sizes: list[int], ops: list[str], scale: float) -> list[dict]:
@@ -230,19 +276,23 @@ def main() -> None:
     if args.section in ("inflight", "all"):
         rows = []
         if comm.rank == 0:
-            print(f"\n# {'in flight':>9} | {'raw µs/op':>10} {'mcrdl µs/op':>12} {'engine µs/op':>13}")
+            print(f"\n# µs per operation with N in flight (gc = of which Python's garbage collector)"
+                  f"\n# {'N':>6} | {'raw mpi':>8} | {'mcrdl':>8} {'gc':>6} | {'engine':>8} {'gc':>6}"
+                  f" {'engine-gc':>9}")
         for count in (10, 100, 1000, 10000):
             r = bench.inflight_point(count, reps=max(3, int(2000 / count * args.scale)))
             r["count"] = count
             rows.append(r)
             if comm.rank == 0:
-                print(f"  {count:>9} | {r['raw'] * 1e6:10.2f} {r['mcrdl'] * 1e6:12.2f}"
-                      f" {(r['mcrdl'] - r['raw']) * 1e6:13.2f}", flush=True)
+                print(f"  {count:>6} | {r['raw'] * 1e6:8.2f} | {r['mcrdl'] * 1e6:8.2f}"
+                      f" {r['mcrdl_gc'] * 1e6:6.2f} | {r['engine'] * 1e6:8.2f}"
+                      f" {r['engine_gc'] * 1e6:6.2f} {(r['engine'] - r['engine_gc']) * 1e6:9.2f}",
+                      flush=True)
         if comm.rank == 0:
-            growth = rows[-1]["mcrdl"] / rows[0]["mcrdl"]
-            eng = [(r["mcrdl"] - r["raw"]) for r in rows]
-            print(f"  mcrdl per-op growth 10 -> 10,000 in flight: {growth:.2f}x; "
-                  f"engine-only: {eng[-1] / eng[0]:.2f}x")
+            first, last = rows[0], rows[-1]
+            print(f"  engine cost growth 10 -> 10,000 in flight: {last['engine'] / first['engine']:.2f}x"
+                  f" ({(last['engine'] - last['engine_gc']) / (first['engine'] - first['engine_gc']):.2f}x"
+                  " without garbage collection)")
         report["inflight"] = rows
     if args.json and comm.rank == 0:
         Path(args.json).write_text(json.dumps(report, indent=1))

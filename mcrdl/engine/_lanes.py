@@ -103,7 +103,7 @@ def flight_record(engine: Any, now: float | None = None) -> str:
         now = time.perf_counter()
     unfinished: dict[Lane, list[Any]] = {}
     for track in engine._track_list:
-        for f in track.futs:
+        for f, _ in track.items():
             unfinished.setdefault(f.lane, []).append(f)
     lines = ["mcrdl flight recorder (oldest first; times relative to now)"]
     for lane in engine._lanes.values():

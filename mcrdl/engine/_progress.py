@@ -31,6 +31,7 @@ from . import _drivers
 from ._future import CANCELLED, DONE, FAILED, ISSUED, PENDING, STATE_NAMES, CommFuture
 from ._hazards import HazardIndex
 from ._lanes import Lane, flight_record
+from ._tracks import Track
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -63,18 +64,6 @@ class EngineStats:
     lanes: int
 
 
-class _Track:
-    """The issued, unfinished requests of one backend, in parallel lists for batch testing."""
-
-    __slots__ = ("backend", "futs", "reqs", "self_progressing")
-
-    def __init__(self, backend: Backend) -> None:
-        self.backend = backend
-        self.futs: list[CommFuture] = []
-        self.reqs: list[Any] = []
-        self.self_progressing = backend.capabilities.self_progressing
-
-
 class Engine:
     """Issues operations in lane order as their dependencies finish, and resolves their futures.
 
@@ -101,8 +90,8 @@ class Engine:
         self._lock = threading.Lock()
         self._clock = clock
         self._hazards = HazardIndex()
-        self._tracks: dict[Backend, _Track] = {}
-        self._track_list: list[_Track] = []
+        self._tracks: dict[Backend, Track] = {}
+        self._track_list: list[Track] = []
         self._lanes: dict[tuple[str, str], Lane] = {}
         self._due: list[tuple[Callable[[CommFuture], object], CommFuture]] = []
         self._work: deque[tuple[CommFuture, BaseException | None]] = deque()
@@ -140,7 +129,7 @@ class Engine:
                     lane = self._lanes[key] = Lane(backend, group, comm_name)
                     track = self._tracks.get(backend)
                     if track is None:
-                        track = self._tracks[backend] = _Track(backend)
+                        track = self._tracks[backend] = Track(backend)
                         self._track_list.append(track)
                     lane.track = track
         return lane
@@ -275,9 +264,7 @@ class Engine:
             return
         fut._state = ISSUED
         fut._request = req
-        track = fut.lane.track
-        track.futs.append(fut)
-        track.reqs.append(req)
+        fut.lane.track.add(fut, req)
 
     def _pump(self, lane: Lane) -> None:
         """Issue the lane's head operations, in order, while their dependencies are met."""
@@ -405,26 +392,16 @@ class Engine:
             self._n_polls += 1
             progressed = False
             for track in self._track_list:
-                reqs = track.reqs
-                if not reqs:
+                if not track.live:
                     continue
-                done = track.backend.test(reqs)
-                if not done:
+                finished = track.poll()
+                if not finished:
                     continue
                 progressed = True
-                futs = track.futs
-                if len(done) == len(futs):
-                    track.futs = []
-                    track.reqs = []
-                    if len(done) == 1:
-                        self._settle(futs[0], done[0][1])
-                    else:
-                        self._work.extend((futs[i], err) for i, err in done)
+                if len(finished) == 1 and not self._work:
+                    self._settle(*finished[0])
                 else:
-                    gone = {i for i, _ in done}
-                    track.futs = [f for i, f in enumerate(futs) if i not in gone]
-                    track.reqs = [r for i, r in enumerate(reqs) if i not in gone]
-                    self._work.extend((futs[i], err) for i, err in done)
+                    self._work.extend(finished)
                 if self._work:
                     self._run_work()
         finally:
@@ -444,7 +421,7 @@ class Engine:
         MPI allreduce took twice as long with sleeps between polls).
         """
         for track in self._track_list:
-            if track.reqs and not track.self_progressing:
+            if track.live and not track.self_progressing:
                 return True
         return False
 
@@ -453,7 +430,7 @@ class Engine:
         if self.policy.oversubscribed:
             return False
         for track in self._track_list:
-            if track.self_progressing and track.reqs:
+            if track.self_progressing and track.live:
                 return False
         return True
 
@@ -488,18 +465,13 @@ class Engine:
         self._next_check = now + min(timeout / 8, 0.25)
         limit = now - timeout
         with self._lock:
-            expired = [f for t in self._track_list for f in t.futs if f.t_issue < limit]
+            expired = [f for t in self._track_list for f, _ in t.items() if f.t_issue < limit]
             if not expired:
                 return
             record = flight_record(self)
-            for track in self._track_list:
-                keep = [i for i, f in enumerate(track.futs) if f.t_issue >= limit]
-                if len(keep) != len(track.futs):
-                    for i, f in enumerate(track.futs):
-                        if f.t_issue < limit:
-                            track.backend.cancel(track.reqs[i])
-                    track.futs = [track.futs[i] for i in keep]
-                    track.reqs = [track.reqs[i] for i in keep]
+            for fut in expired:
+                track = fut.lane.track
+                track.backend.cancel(track.remove(fut))
             for fut in expired:
                 self._work.append((fut, CommTimeoutError(
                     f"{fut.kind}#{fut.seq} on lane {fut.lane.backend_name}:{fut.lane.comm_name} "
@@ -521,16 +493,13 @@ class Engine:
             if state >= DONE:
                 return False
             if state == ISSUED:
-                track = self._tracks[fut.lane.backend]
                 backend = fut.lane.backend
                 if not backend.capabilities.cancel or not backend.cancel(fut._request):
                     raise InvalidStateError(
                         f"cannot cancel {fut!r}: it was issued already and "
                         f"{backend.name} cannot cancel issued operations"
                     )
-                i = track.futs.index(fut)
-                del track.futs[i]
-                del track.reqs[i]
+                fut.lane.track.remove(fut)
             self._work.append((fut, FutureCancelledError(f"{fut.kind}#{fut.seq} was cancelled")))
             self._run_work()
         self._flush_due()
@@ -543,9 +512,7 @@ class Engine:
         with self._lock:
             victims: list[CommFuture] = []
             for track in self._track_list:
-                victims.extend(track.futs)
-                track.futs = []
-                track.reqs = []
+                victims.extend(track.clear())
             for lane in self._lanes.values():
                 victims.extend(f for f in lane.pending if f._state == PENDING)
                 lane.pending.clear()
@@ -573,7 +540,7 @@ class Engine:
     def stats(self) -> EngineStats:
         """A snapshot of the engine's counters."""
         with self._lock:
-            in_flight = sum(len(t.futs) for t in self._track_list)
+            in_flight = sum(t.live for t in self._track_list)
             finished = self._n_completed + self._n_failed + self._n_cancelled
             submitted = finished + self._unfinished
             pending = self._unfinished - in_flight
@@ -592,6 +559,6 @@ class Engine:
     def unfinished(self) -> list[CommFuture]:
         """Every unfinished future: issued ones by backend, then pending ones by lane."""
         with self._lock:
-            out = [f for t in self._track_list for f in t.futs]
+            out = [f for t in self._track_list for f, _ in t.items()]
             out.extend(f for lane in self._lanes.values() for f in lane.pending if f._state == PENDING)
             return out
