@@ -24,6 +24,7 @@ from ._errors import (
 )
 from ._select import Selector, Slot
 from .backends import Backend, backend_class, known_backends
+from .backends._threaded import ThreadedBackend, Threads
 from .engine import CommFuture, Engine, PollPolicy
 
 __all__ = ["Runtime", "current_runtime", "finalize", "init"]
@@ -51,12 +52,18 @@ class Runtime:
         backends: dict[str, Backend],
         *,
         engine: Engine | None = None,
+        threads: Threads | None = None,
+        selector: Selector | None = None,
     ) -> None:
         if not backends:
             raise BackendUnavailableError("no backend could be brought up")
         self.config = config
         self.bootstrap = bootstrap
-        self._backends = backends
+        # The engine never blocks in a backend: blocking ones get a thread per lane.
+        self._backends = {
+            name: ThreadedBackend(b, threads) if b.capabilities.blocking_calls else b
+            for name, b in backends.items()
+        }
         self.finalized = False
         self.engine = engine or Engine(
             policy=PollPolicy(oversubscribed=_oversubscribed(bootstrap)),
@@ -64,10 +71,10 @@ class Runtime:
             timeout=config.timeout,
             on_timeout=self._dump_flight_record,
         )
-        self.selector = Selector(tuple(backends))
+        self.selector = selector or Selector(tuple(backends))
         self._comms: list[Communicator] = []
         self.world = self._communicator(
-            "world", {name: b.world() for name, b in backends.items()}
+            "world", {name: b.world() for name, b in self._backends.items()}
         )
 
     @property

@@ -54,6 +54,9 @@ class Capabilities:
             are what moves the data (MPI).
         blocking_wait: whether ``block()`` can wait for one request without the engine's
             lock, which beats polling when that request is all that is in flight.
+        blocking_calls: whether its ``start_*`` calls block until the peers arrive; the
+            runtime then runs each group's calls on a thread of its own
+            (``backends._threaded``), since the engine never blocks in a backend.
     """
 
     ops: frozenset[OpKind]
@@ -64,6 +67,7 @@ class Capabilities:
     stream_ordered: bool = False
     self_progressing: bool = False
     blocking_wait: bool = False
+    blocking_calls: bool = False
 
     def can_reduce(self, op: ReduceOp, dtype: DType) -> bool:
         """Whether ``op`` on ``dtype`` is possible, natively or (AVG) as SUM then divide."""

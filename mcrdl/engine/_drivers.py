@@ -101,6 +101,9 @@ def wait(engine: Engine, fut: CommFuture, timeout: float | None) -> None:
             idle += 1
             if idle <= spin:
                 continue
+            if engine.idle_hook is not None:
+                engine.idle_hook()
+                continue
             now = _clock()
             if deadline is not None and now >= deadline:
                 raise TimeoutError(

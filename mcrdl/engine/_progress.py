@@ -109,6 +109,9 @@ class Engine:
         self._next_check = 0.0
         #: Number of threads or tasks driving progress in a wait right now.
         self.drivers = 0
+        #: Called by a waiter instead of yielding the CPU between idle polls (the simulated
+        #: world hands control to its scheduler here); None in real runs.
+        self.idle_hook: Callable[[], None] | None = None
         # Counters: submitted and issued are derived in stats() (two fewer increments per op).
         self._n_completed = self._n_failed = self._n_cancelled = self._n_polls = 0
         self._n_dropped = 0  # failed or cancelled before they were issued

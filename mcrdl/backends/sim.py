@@ -1,0 +1,234 @@
+"""The sim backend: simulated ranks in one process, for checking the engine's guarantees.
+
+A ``SimBackend`` is one rank's view of a simulated transport inside a ``mcrdl.testing.SimWorld``
+(which makes them; the registry knows the name so that it reads like any backend). It moves
+real data (numpy) and declares one of three matching semantics:
+
+- ``"mpi"``: nonblocking starts, independent progress; the k-th collective a member issues on
+  a group matches every other member's k-th; an operation finishes once every member has
+  issued it (after a delay the world draws from its seed).
+- ``"nccl"``: as ``"mpi"``, but each rank executes a stream's operations in order: an issued
+  collective occupies its stream until every member has issued it, and the operations behind
+  it wait. A stream is the lane (one per group), or one per backend with ``stream="backend"``
+  (what a framework with one communication stream per device does).
+- ``"blocking"``: a start does not return until every peer has arrived and the operation has
+  run (the runtime gives such a backend a thread per lane).
+
+Inputs are read and outputs written when an operation *executes* (when it finishes), not when
+it is issued, so an engine that lets a conflicting operation run in between produces a wrong
+result. Members that issue different collectives at the same position, or unmatched
+point-to-point signatures, are recorded as a mismatch at once (a real MPI would hang or
+corrupt data).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._errors import BackendUnavailableError
+from .._types import DType, OpKind, ReduceOp
+from ._contract import Backend, Capabilities, Request
+
+if TYPE_CHECKING:
+    from .._buffers import Buffer
+
+__all__ = ["SEMANTICS", "SimBackend", "SimGroup", "SimOp", "sim_capabilities"]
+
+SEMANTICS = ("mpi", "nccl", "blocking")
+
+_NUMERIC = frozenset(DType) - {DType.BFLOAT16}
+
+
+def sim_capabilities(semantics: str) -> Capabilities:
+    """What a simulated backend of ``semantics`` can do (everything numpy can, except AVG)."""
+    ordered = _NUMERIC - {DType.COMPLEX64, DType.COMPLEX128}
+    return Capabilities(
+        ops=frozenset(OpKind),
+        dtypes=frozenset(_NUMERIC),
+        reductions={ReduceOp.SUM: _NUMERIC, ReduceOp.PROD: _NUMERIC,
+                    ReduceOp.MIN: ordered, ReduceOp.MAX: ordered},
+        stream_ordered=semantics == "nccl",
+        blocking_calls=semantics == "blocking",
+    )
+
+
+def reduce_stack(stack: np.ndarray, op: ReduceOp) -> np.ndarray:
+    """Members' buffers (along axis 0) reduced with mcrdl's semantics, in rank order."""
+    if stack.dtype == np.bool_:
+        return stack.any(axis=0) if op in (ReduceOp.SUM, ReduceOp.MAX) else stack.all(axis=0)
+    with np.errstate(over="ignore"):
+        if op is ReduceOp.SUM:
+            return np.add.reduce(stack, axis=0, dtype=stack.dtype)
+        if op is ReduceOp.PROD:
+            return np.multiply.reduce(stack, axis=0, dtype=stack.dtype)
+    if op is ReduceOp.MIN:
+        return stack.min(axis=0)
+    if op is ReduceOp.MAX:
+        return stack.max(axis=0)
+    raise ValueError(f"the sim backend reduces natively with SUM, PROD, MIN, MAX; got {op}")
+
+
+@dataclass(eq=False)
+class SimGroup:
+    """One communicator as one rank's SimBackend sees it."""
+
+    gid: str
+    members: tuple[int, ...]  # world ranks, in group rank order
+    rank: int
+    size: int
+
+
+class SimOp:
+    """One collective (or one send/recv pair) across its members.
+
+    Invariants: ``args[r]`` holds member r's start arguments once it has arrived;
+    ``ready_at`` is set once every member has arrived (the step at which it may execute);
+    ``executed`` once its data has moved.
+    """
+
+    __slots__ = ("kind", "gid", "backend", "index", "signature", "members", "args", "ready_at",
+                 "executed", "seqs")
+
+    def __init__(self, kind: str, gid: str, backend: str, index: int, signature: tuple[Any, ...],
+                 members: tuple[int, ...]) -> None:
+        self.kind = kind
+        self.gid = gid
+        self.backend = backend
+        self.index = index
+        self.signature = signature
+        self.members = members
+        self.args: dict[int, tuple[Any, ...]] = {}
+        self.ready_at: int | None = None
+        self.executed = False
+        self.seqs: dict[int, int] = {}
+
+    def missing(self) -> list[int]:
+        """World ranks that have not issued this operation yet."""
+        return [m for m in self.members if m not in self.args]
+
+    def __repr__(self) -> str:
+        return f"<SimOp {self.backend}:{self.gid} {self.kind}#{self.index}>"
+
+
+class _Handle:
+    """A member's request: its operation, and the member's rank."""
+
+    __slots__ = ("op", "rank")
+
+    def __init__(self, op: SimOp, rank: int) -> None:
+        self.op = op
+        self.rank = rank
+
+
+class SimBackend(Backend):
+    """One rank's simulated transport (see the module docstring)."""
+
+    name = "sim"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    def __init__(self, bootstrap: Any) -> None:
+        world = getattr(bootstrap, "sim_world", None)
+        if world is None:
+            raise BackendUnavailableError(
+                "sim backends are made by mcrdl.testing.SimWorld, not by init()"
+            )
+        self.sim = world
+        self.world_rank: int = bootstrap.rank
+        self.name = bootstrap.sim_name  # type: ignore[misc]
+        self.semantics: str = bootstrap.sim_semantics
+        if self.semantics not in SEMANTICS:
+            raise ValueError(f"sim semantics {self.semantics!r}; choose one of {SEMANTICS}")
+        self.capabilities = sim_capabilities(self.semantics)
+        self._world_group = SimGroup("world", tuple(range(bootstrap.size)), bootstrap.rank,
+                                     bootstrap.size)
+
+    def world(self) -> SimGroup:
+        return self._world_group
+
+    def create_group(self, parent: SimGroup, members: Sequence[int], tag: str) -> SimGroup:
+        world_members = tuple(parent.members[m] for m in members)
+        return SimGroup(tag, world_members, world_members.index(self.world_rank),
+                        len(world_members))
+
+    def free_group(self, group: SimGroup) -> None:
+        pass
+
+    # -- operations ----------------------------------------------------------------------
+
+    def _collective(self, group: SimGroup, kind: str, signature: tuple[Any, ...],
+                    args: tuple[Any, ...]) -> Request:
+        op = self.sim.arrive(self, group, kind, signature, args)
+        return self._started(op)
+
+    def _started(self, op: SimOp) -> Request:
+        if self.semantics == "blocking":
+            self.sim.block_until_executed(op, self.world_rank)
+            return None
+        return _Handle(op, self.world_rank)
+
+    @staticmethod
+    def _sig(buf: Buffer | None) -> tuple[Any, ...]:
+        return (None, 0) if buf is None else (buf.dtype.value, buf.nbytes)
+
+    def start_send(self, group: SimGroup, buf: Buffer, dst: int, tag: int) -> Request:
+        op = self.sim.arrive_p2p(self, group, "send", group.members[dst], tag, buf)
+        return self._started(op)
+
+    def start_recv(self, group: SimGroup, buf: Buffer, src: int, tag: int) -> Request:
+        op = self.sim.arrive_p2p(self, group, "recv", group.members[src], tag, buf)
+        return self._started(op)
+
+    def start_broadcast(self, group: SimGroup, buf: Buffer, root: int) -> Request:
+        return self._collective(group, "broadcast", (root, *self._sig(buf)), (buf, root))
+
+    def start_reduce(self, group: SimGroup, buf: Buffer, root: int, op: ReduceOp) -> Request:
+        return self._collective(group, "reduce", (root, op, *self._sig(buf)), (buf, root, op))
+
+    def start_allreduce(self, group: SimGroup, buf: Buffer, op: ReduceOp) -> Request:
+        return self._collective(group, "allreduce", (op, *self._sig(buf)), (buf, op))
+
+    def start_gather(self, group: SimGroup, buf: Buffer, out: Buffer | None, root: int) -> Request:
+        return self._collective(group, "gather", (root, *self._sig(buf)), (buf, out, root))
+
+    def start_allgather(self, group: SimGroup, buf: Buffer, out: Buffer) -> Request:
+        return self._collective(group, "allgather", self._sig(buf), (buf, out))
+
+    def start_scatter(self, group: SimGroup, buf: Buffer | None, out: Buffer, root: int) -> Request:
+        return self._collective(group, "scatter", (root, *self._sig(out)), (buf, out, root))
+
+    def start_reduce_scatter(self, group: SimGroup, buf: Buffer, out: Buffer,
+                             op: ReduceOp) -> Request:
+        return self._collective(group, "reduce_scatter", (op, *self._sig(buf)), (buf, out, op))
+
+    def start_alltoall(self, group: SimGroup, buf: Buffer, out: Buffer) -> Request:
+        return self._collective(group, "alltoall", self._sig(buf), (buf, out))
+
+    def start_alltoallv(self, group: SimGroup, buf: Buffer, send_counts: Sequence[int],
+                        out: Buffer, recv_counts: Sequence[int]) -> Request:
+        return self._collective(group, "alltoallv", (buf.dtype.value,),
+                                (buf, tuple(send_counts), out, tuple(recv_counts)))
+
+    def start_barrier(self, group: SimGroup) -> Request:
+        return self._collective(group, "barrier", (), ())
+
+    # -- completion ----------------------------------------------------------------------
+
+    def test(self, requests: list[Request]) -> list[tuple[int, BaseException | None]]:
+        sim = self.sim
+        out: list[tuple[int, BaseException | None]] = []
+        for i, handle in enumerate(requests):
+            if sim.try_execute(handle.op):
+                out.append((i, None))
+        return out
+
+    def describe_wait(self, request: Request) -> str | None:
+        """Which peers the operation still waits for (the timeout message names them)."""
+        missing = request.op.missing()
+        return f"ranks {missing} have not issued it" if missing else None

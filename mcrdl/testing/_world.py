@@ -1,0 +1,495 @@
+"""The simulated world: N ranks in one process, each with its own real engine, run deterministically.
+
+Every rank is a ``Runtime`` with the same engine, scheduler and DAG code as a real run; only
+its backends are ``SimBackend`` objects sharing this world's state. Each rank's program runs
+on a thread of its own, but only one thread runs at a time: the holder of the *baton*. A
+thread hands the baton back to the scheduler whenever it would wait (the engine's idle hook,
+a blocking simulated call, a worker with nothing to do); the scheduler then picks the next
+thread with a random generator seeded by the caller, so a seed fixes the whole interleaving.
+
+A run ends when every rank's program has returned. It fails with ``SimDeadlock`` when every
+live thread has had a turn without anything moving and nothing is due later (the report says
+what each rank waits for and which peers an operation still lacks), and with ``SimMismatch``
+when members issue different collectives at the same position of a group.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._config import Config
+from .._runtime import Runtime
+from ..backends._threaded import Threads
+from ..backends.sim import SimBackend, SimGroup, SimOp, reduce_stack
+from ..engine import Engine, PollPolicy, flight_record
+
+if TYPE_CHECKING:
+    from .._communicator import Communicator
+    from .._select import Selector
+
+__all__ = ["SimAborted", "SimDeadlock", "SimMismatch", "SimWorld"]
+
+_SCHED = -1
+
+
+class SimDeadlock(AssertionError):
+    """Every simulated thread waits and nothing can move: the report says on what."""
+
+
+class SimMismatch(AssertionError):
+    """Members of a group issued different collectives at the same position."""
+
+
+class SimAborted(BaseException):
+    """Raised inside simulated threads to unwind them when a run is abandoned."""
+
+
+@dataclass(eq=False)
+class _Thread:
+    token: int
+    name: str
+    rank: int | None
+    finished: bool = False
+    result: Any = None
+    error: BaseException | None = None
+    wake_at: int = 0
+
+
+class _Bootstrap:
+    """What a SimBackend is made from (the Bootstrap protocol, plus the world)."""
+
+    def __init__(self, world: SimWorld, rank: int, name: str, semantics: str) -> None:
+        self.sim_world = world
+        self.sim_name = name
+        self.sim_semantics = semantics
+        self.rank = rank
+        self.size = world.size
+        self.launcher = "sim"
+        self.host = "sim"
+        self.timeout = 0.0
+
+    def store(self) -> Any:
+        raise RuntimeError("simulated backends need no store")
+
+
+class _Condition:
+    """A condition variable for simulated threads: waiting hands the baton back."""
+
+    def __init__(self, world: SimWorld) -> None:
+        self._world = world
+
+    def __enter__(self) -> _Condition:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def wait(self) -> None:
+        self._world.yield_()
+
+    def notify(self) -> None:
+        self._world.note_progress()
+
+
+class _SimThreads(Threads):
+    def __init__(self, world: SimWorld) -> None:
+        self._world = world
+
+    def spawn(self, fn: Callable[[], None], name: str) -> None:
+        self._world.spawn(fn, name, None)
+
+    def condition(self) -> Any:
+        return _Condition(self._world)
+
+
+class SimWorld:
+    """``size`` simulated ranks with the given backends (name -> semantics), seeded.
+
+    Args:
+        size: number of ranks (1..64).
+        backends: simulated backends by name, each ``"mpi"``, ``"nccl"`` or ``"blocking"``
+            semantics (see ``mcrdl.backends.sim``); names like the real ones make
+            ``backend="auto"`` behave as it does for real.
+        seed: fixes the interleaving and every delay.
+        max_delay: an operation finishes 0..max_delay scheduler steps after its last member
+            arrives.
+        stream: ``"lane"`` (a stream per group, as mcrdl does) or ``"backend"`` (one per
+            backend and rank) for ``"nccl"`` semantics.
+        engine_factory, selector_factory: replace the engine or selector of every rank
+            (the test suite uses them to show that broken policies are caught).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        backends: Mapping[str, str] | None = None,
+        *,
+        seed: int = 0,
+        max_delay: int = 3,
+        stream: str = "lane",
+        engine_factory: Callable[[], Engine] | None = None,
+        selector_factory: Callable[[int, tuple[str, ...]], Selector] | None = None,
+        wrap_blocking: bool = True,
+        max_steps: int = 200_000,
+    ) -> None:
+        if not 1 <= size <= 64:
+            raise ValueError(f"size={size}: a simulated world has 1 to 64 ranks")
+        if stream not in ("lane", "backend"):
+            raise ValueError(f"stream={stream!r}: choose 'lane' or 'backend'")
+        self.size = size
+        self.backends = dict(backends or {"mpi": "mpi", "gloo": "mpi"})
+        self.seed = seed
+        self.rng = np.random.default_rng(seed)
+        self.max_delay = max_delay
+        self.stream = stream
+        self.max_steps = max_steps
+        self.step = 0
+        self.progress = 0
+        self.mismatch: str | None = None
+        self._cond = threading.Condition()
+        self._current = _SCHED
+        self._threads: list[_Thread] = []
+        self._by_ident: dict[int, _Thread] = {}
+        self._aborted = False
+        self._colls: dict[tuple[str, str], list[SimOp]] = {}
+        self._coll_count: dict[tuple[str, str, int], int] = {}
+        self._p2p: dict[tuple[str, str, int, int, int], list[SimOp]] = {}
+        self._p2p_count: dict[tuple[str, str, int, int, int, str], int] = {}
+        self._streams: dict[tuple[Any, ...], list[SimOp]] = {}
+        self._pending: list[SimOp] = []
+        threads = _SimThreads(self)
+        self.runtimes: list[Runtime] = []
+        for rank in range(size):
+            sims = {name: SimBackend(_Bootstrap(self, rank, name, sem))
+                    for name, sem in self.backends.items()}
+            if not wrap_blocking:
+                for b in sims.values():
+                    b.capabilities = _unblocked(b.capabilities)
+            engine = engine_factory() if engine_factory else Engine(
+                background=False, policy=PollPolicy(spin_polls=0), timeout=None)
+            engine.idle_hook = self.yield_
+            selector = selector_factory(rank, tuple(sims)) if selector_factory else None
+            self.runtimes.append(Runtime(Config(progress_thread=False, timeout=None), None, sims,
+                                         engine=engine, threads=threads, selector=selector))
+
+    @property
+    def comms(self) -> list[Communicator]:
+        """Each rank's world communicator."""
+        return [r.world for r in self.runtimes]
+
+    # -- baton -------------------------------------------------------------------------
+
+    def spawn(self, fn: Callable[[], Any], name: str, rank: int | None) -> None:
+        """Start a simulated thread; it runs only when the scheduler hands it the baton."""
+        t = _Thread(len(self._threads), name, rank)
+        self._threads.append(t)
+        real = threading.Thread(target=self._main, args=(t, fn), name=f"sim-{name}",
+                                daemon=True)
+        real.start()
+
+    def _main(self, t: _Thread, fn: Callable[[], Any]) -> None:
+        self._by_ident[threading.get_ident()] = t
+        with self._cond:
+            while self._current != t.token:
+                self._cond.wait()
+        try:
+            if self._aborted:
+                raise SimAborted()
+            t.result = fn()
+        except BaseException as exc:  # noqa: BLE001 - reported by run()
+            t.error = exc
+        finally:
+            t.finished = True
+            self.progress += 1
+            with self._cond:
+                self._current = _SCHED
+                self._cond.notify_all()
+
+    def yield_(self) -> None:
+        """Hand the baton back to the scheduler (called from a simulated thread)."""
+        t = self._by_ident[threading.get_ident()]
+        with self._cond:
+            self._current = _SCHED
+            self._cond.notify_all()
+            while self._current != t.token:
+                self._cond.wait()
+        if self._aborted:
+            raise SimAborted()
+
+    def sleep(self, steps: int) -> None:
+        """Let ``steps`` scheduler steps pass before this thread goes on (a per-rank delay)."""
+        t = self._by_ident[threading.get_ident()]
+        t.wake_at = self.step + steps
+        while self.step < t.wake_at:
+            self.yield_()
+
+    def note_progress(self) -> None:
+        """Something moved (the scheduler's deadlock detection counts these)."""
+        self.progress += 1
+
+    def _resume(self, t: _Thread) -> None:
+        with self._cond:
+            self._current = t.token
+            self._cond.notify_all()
+            while self._current != _SCHED:
+                self._cond.wait()
+
+    # -- running -----------------------------------------------------------------------
+
+    def run(self, program: Callable[[Communicator], Any]) -> list[Any]:
+        """Run ``program(comm)`` on every rank; return each rank's result, in rank order.
+
+        Raises:
+            SimDeadlock, SimMismatch: see the module docstring.
+            Exception: the first exception a rank's program raised.
+        """
+        comms = self.comms
+        for rank in range(self.size):
+            self.spawn((lambda c: lambda: program(c))(comms[rank]), f"rank{rank}", rank)
+        ranks = [t for t in self._threads if t.rank is not None]
+        quiet: set[int] = set()
+        retried = -1
+        try:
+            while not all(t.finished for t in ranks):
+                if self.mismatch is not None:
+                    raise SimMismatch(self.mismatch)
+                alive = [t for t in self._threads if not t.finished]
+                t = alive[int(self.rng.integers(len(alive)))]
+                before = self.progress
+                self._resume(t)
+                asleep = t.wake_at > self.step  # it is sleeping: no chance to act yet
+                self.step += 1
+                if self.step > self.max_steps:
+                    raise SimDeadlock(f"no end after {self.max_steps} steps (livelock?)\n"
+                                      + self.report())
+                failed = [x for x in ranks if x.error is not None]
+                if failed:
+                    raise failed[0].error  # type: ignore[misc]
+                if self.progress != before:
+                    quiet.clear()
+                    continue
+                if not asleep:
+                    quiet.add(t.token)
+                awake = {x.token for x in alive if x.wake_at <= self.step}
+                if not awake <= quiet:
+                    continue
+                # Every awake thread had its turn and nothing moved: let time pass to the
+                # next due operation or waking thread, or report the deadlock.
+                due = [op.ready_at for op in self._pending if op.ready_at is not None]
+                due += [x.wake_at for x in alive if x.wake_at > self.step]
+                later = [d for d in due if d > self.step]
+                if later:
+                    self.step = min(later)
+                    quiet.clear()
+                    continue
+                if due and retried != self.step:  # due now, but every poll came before
+                    retried = self.step
+                    quiet.clear()
+                    continue
+                raise SimDeadlock(self.report())
+            if self.mismatch is not None:
+                raise SimMismatch(self.mismatch)
+        finally:
+            self._abort()
+        return [t.result for t in ranks]
+
+    def _abort(self) -> None:
+        """Unwind every thread still parked (workers, deadlocked ranks)."""
+        self._aborted = True
+        for t in self._threads:
+            if not t.finished:
+                self._resume(t)
+
+    def report(self) -> str:
+        """What every rank waits for: its engine's flight record and the missing peers."""
+        lines = [f"simulated world of {self.size} (seed {self.seed}) at step {self.step}"]
+        for rank, runtime in enumerate(self.runtimes):
+            lines.append(f"rank {rank}:")
+            lines.extend("  " + line for line in flight_record(runtime.engine).splitlines()[1:])
+        stuck = [op for op in self._pending if not op.executed]
+        if stuck:
+            lines.append("operations not finished:")
+            for op in stuck:
+                why = (f"ranks {op.missing()} have not issued it" if op.missing()
+                       else "waits for earlier operations on a member's stream")
+                lines.append(f"  {op.backend}:{op.gid} {op.kind} #{op.index}: {why}")
+        return "\n".join(lines)
+
+    # -- matching (called by SimBackend, from the thread holding the baton) ---------------
+
+    def arrive(self, backend: SimBackend, group: SimGroup, kind: str,
+               signature: tuple[Any, ...], args: tuple[Any, ...]) -> SimOp:
+        rank = backend.world_rank
+        key = (backend.name, group.gid)
+        ckey = (backend.name, group.gid, rank)
+        index = self._coll_count.get(ckey, 0)
+        self._coll_count[ckey] = index + 1
+        ops = self._colls.setdefault(key, [])
+        if index == len(ops):
+            op = SimOp(kind, group.gid, backend.name, index, (kind, *signature), group.members)
+            ops.append(op)
+            self._pending.append(op)
+        op = ops[index]
+        if op.signature != (kind, *signature) and self.mismatch is None:
+            first = next(iter(op.args), None)
+            self.mismatch = (
+                f"{backend.name}:{group.gid} collective #{index}: rank {first} issued "
+                f"{op.signature}, rank {rank} issued {(kind, *signature)}"
+            )
+        op.args[rank] = args
+        self._on_stream(backend, group, rank, op)
+        self.progress += 1
+        return op
+
+    def arrive_p2p(self, backend: SimBackend, group: SimGroup, side: str, peer: int, tag: int,
+                   buf: Any) -> SimOp:
+        rank = backend.world_rank
+        src, dst = (rank, peer) if side == "send" else (peer, rank)
+        key = (backend.name, group.gid, src, dst, tag)
+        ckey = (*key, side)
+        index = self._p2p_count.get(ckey, 0)
+        self._p2p_count[ckey] = index + 1
+        ops = self._p2p.setdefault(key, [])
+        if index == len(ops):
+            op = SimOp("p2p", group.gid, backend.name, index,
+                       ("p2p", buf.dtype.value, buf.nbytes), (src, dst))
+            ops.append(op)
+            self._pending.append(op)
+        op = ops[index]
+        if op.signature != ("p2p", buf.dtype.value, buf.nbytes) and self.mismatch is None:
+            self.mismatch = (f"{backend.name}:{group.gid} message #{index} from {src} to {dst} "
+                             f"tag {tag}: {op.signature} sent, {buf.dtype.value} "
+                             f"{buf.nbytes} B expected")
+        op.args[rank] = (buf,)
+        self._on_stream(backend, group, rank, op)
+        self.progress += 1
+        return op
+
+    def _on_stream(self, backend: SimBackend, group: SimGroup, rank: int, op: SimOp) -> None:
+        if backend.semantics != "nccl":
+            return
+        skey = (rank, backend.name) if self.stream == "backend" else (rank, backend.name,
+                                                                       group.gid)
+        stream = self._streams.setdefault(skey, [])
+        op.seqs[rank] = len(stream)
+        stream.append(op)
+
+    def _stream_clear(self, op: SimOp) -> bool:
+        """For nccl semantics: every member's stream has finished what it issued before op."""
+        for rank, pos in op.seqs.items():
+            backend = self.backends[op.backend]
+            if backend != "nccl":
+                return True
+            skey = (rank, op.backend) if self.stream == "backend" else (rank, op.backend, op.gid)
+            stream = self._streams[skey]
+            if not all(prev.executed for prev in stream[:pos]):
+                return False
+        return True
+
+    def try_execute(self, op: SimOp) -> bool:
+        """Execute ``op`` if it is due; True once it has executed."""
+        if op.executed:
+            return True
+        if len(op.args) < len(op.members):
+            return False
+        if op.ready_at is None:
+            if not self._stream_clear(op):
+                return False
+            op.ready_at = self.step + int(self.rng.integers(self.max_delay + 1))
+            self.progress += 1
+        if self.step < op.ready_at:
+            return False
+        _execute(op)
+        op.executed = True
+        self._pending.remove(op)
+        self.progress += 1
+        return True
+
+    def block_until_executed(self, op: SimOp, rank: int) -> None:
+        """A blocking simulated call: hand the baton on until ``op`` has executed."""
+        while not self.try_execute(op):
+            self.yield_()
+
+
+def _unblocked(caps: Any) -> Any:
+    from dataclasses import replace
+
+    return replace(caps, blocking_calls=False)
+
+
+def _np(buf: Any) -> np.ndarray:
+    return buf.numpy().reshape(-1)
+
+
+def _execute(op: SimOp) -> None:
+    """Move ``op``'s data: inputs are read now, outputs written now."""
+    members = op.members
+    args = op.args
+    kind = op.kind
+    if kind == "p2p":
+        src, dst = members
+        _np(args[dst][0])[:] = _np(args[src][0])
+        return
+    n = len(members)
+    if kind == "barrier":
+        return
+    if kind in ("allreduce", "reduce"):
+        red = args[members[0]][-1]
+        result = reduce_stack(np.stack([_np(args[m][0]) for m in members]), red)
+        if kind == "allreduce":
+            for m in members:
+                _np(args[m][0])[:] = result
+        else:
+            root = members[args[members[0]][1]]
+            _np(args[root][0])[:] = result
+        return
+    if kind == "broadcast":
+        root = members[args[members[0]][1]]
+        value = _np(args[root][0]).copy()
+        for m in members:
+            _np(args[m][0])[:] = value
+        return
+    if kind in ("allgather", "gather"):
+        whole = np.concatenate([_np(args[m][0]) for m in members])
+        if kind == "allgather":
+            for m in members:
+                _np(args[m][1])[:] = whole
+        else:
+            root = members[args[members[0]][2]]
+            _np(args[root][1])[:] = whole
+        return
+    if kind == "scatter":
+        root = members[args[members[0]][2]]
+        chunks = np.split(_np(args[root][0]), n)
+        for i, m in enumerate(members):
+            _np(args[m][1])[:] = chunks[i]
+        return
+    if kind == "reduce_scatter":
+        red = args[members[0]][2]
+        chunks = np.split(reduce_stack(np.stack([_np(args[m][0]) for m in members]), red), n)
+        for i, m in enumerate(members):
+            _np(args[m][1])[:] = chunks[i]
+        return
+    if kind == "alltoall":
+        parts = [np.split(_np(args[m][0]), n) for m in members]
+        for j, m in enumerate(members):
+            _np(args[m][1])[:] = np.concatenate([parts[i][j] for i in range(n)])
+        return
+    if kind == "alltoallv":
+        sends = {}
+        for m in members:
+            buf, send_counts = args[m][0], args[m][1]
+            row = buf.row_elems()
+            flat = _np(buf)
+            offs = np.cumsum([0, *send_counts])
+            sends[m] = [flat[offs[j] * row:offs[j + 1] * row] for j in range(n)]
+        for j, m in enumerate(members):
+            out = _np(args[m][2])
+            out[:] = np.concatenate([sends[i][j] for i in members]) if out.size else out
+        return
+    raise AssertionError(f"unknown simulated operation {kind}")
