@@ -1,0 +1,49 @@
+"""Deliberately broken policies, for showing that the harness catches what they break.
+
+They live here, in the test suite, and nowhere in the library: each is one of the designs
+DESIGN.md rejects.
+"""
+
+from __future__ import annotations
+
+from mcrdl._select import Selector
+from mcrdl.engine import Engine, PollPolicy
+from mcrdl.engine._states import DONE, PENDING
+
+
+class ReadyFirstEngine(Engine):
+    """Issues whichever operation of a lane is ready first, instead of in submission order."""
+
+    def __init__(self) -> None:
+        super().__init__(background=False, policy=PollPolicy(spin_polls=0), timeout=None)
+
+    def _pump(self, lane):  # type: ignore[no-untyped-def]
+        for fut in list(lane.pending):
+            if fut._state != PENDING:
+                lane.pending.remove(fut)
+            elif fut._deps_left == 0:
+                lane.pending.remove(fut)
+                self._issue(fut)
+
+    def _release(self, fut, error):  # type: ignore[no-untyped-def]
+        dependants = fut._dependants
+        super()._release(fut, error)
+        for dep in dependants or ():
+            if dep._state == PENDING and dep._deps_left == 0:
+                self._pump(dep.lane)
+
+    def submit(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        fut = super().submit(*args, **kwargs)
+        if fut._state < DONE:
+            with self._lock:
+                self._pump(fut.lane)
+                self._run_work()
+        return fut
+
+
+class PerRankSelector(Selector):
+    """backend="auto" decided by each rank for itself (odd ranks prefer the other backend)."""
+
+    def __init__(self, rank: int, backends: tuple[str, ...]) -> None:
+        order = tuple(backends) if rank % 2 == 0 else tuple(reversed(backends))
+        super().__init__(backends, preference=order)

@@ -1,0 +1,88 @@
+"""Named regression tests for the classic traps of mixing backends (simulated).
+
+Each runs under several seeds (interleavings). The three-communicator cycle also runs with a
+single stream per backend, as frameworks with one communication stream per device do: there
+it deadlocks, which is why mcrdl gives every (backend, communicator) lane a stream of its own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mcrdl.testing import SimDeadlock, SimWorld
+
+SEEDS = range(8)
+
+
+def _cycle(comm):
+    """rank0: A then C; rank1: B then A; rank2: C then B (A={0,1}, B={1,2}, C={0,2})."""
+    r = comm.rank
+    a = comm.split(0 if r in (0, 1) else None)
+    b = comm.split(0 if r in (1, 2) else None)
+    c = comm.split(0 if r in (0, 2) else None)
+    x = np.full(4, float(r + 1))
+    order = {0: (a, c), 1: (b, a), 2: (c, b)}[r]
+    futs = [g.allreduce(x.copy(), backend="nccl") for g in order]
+    return [f.wait().tolist() for f in futs]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("semantics", ["nccl", "mpi"])
+def test_three_communicator_cycle_completes(seed, semantics):
+    world = SimWorld(3, {"nccl": semantics, "mpi": "mpi"}, seed=seed)
+    res = world.run(_cycle)
+    assert res[0] == [[3.0] * 4, [4.0] * 4]
+    assert res[1] == [[5.0] * 4, [3.0] * 4]
+    assert res[2] == [[4.0] * 4, [5.0] * 4]
+
+
+def test_three_communicator_cycle_deadlocks_on_one_stream_per_device():
+    """The harness sees the trap itself: one stream per backend and rank hangs."""
+    world = SimWorld(3, {"nccl": "nccl", "mpi": "mpi"}, seed=0, stream="backend")
+    with pytest.raises(SimDeadlock, match=r"nccl:world\.\dc0 allreduce #0"):
+        world.run(_cycle)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_ranks_waiting_in_opposite_orders(seed):
+    world = SimWorld(4, {"mpi": "mpi", "gloo": "mpi", "nccl": "nccl"}, seed=seed)
+
+    def program(comm):
+        x, y, z = (np.full(3, float(comm.rank)) for _ in range(3))
+        futs = [comm.allreduce(x, backend="mpi"), comm.allreduce(y, backend="gloo"),
+                comm.allreduce(z, backend="nccl")]
+        for f in futs if comm.rank % 2 else reversed(futs):
+            f.wait()
+        return x[0], y[0], z[0]
+
+    assert world.run(program) == [(6.0, 6.0, 6.0)] * 4
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_chain_mpi_gloo_mpi_on_one_buffer(seed):
+    world = SimWorld(3, {"mpi": "mpi", "gloo": "mpi"}, seed=seed)
+
+    def program(comm):
+        x = np.full(6, float(comm.rank + 1))
+        comm.allreduce(x, backend="mpi")
+        out = np.empty_like(x)
+        comm.alltoall(x, out=out, backend="gloo")
+        return comm.allreduce(out, backend="mpi").wait().tolist()
+
+    assert world.run(program) == [[18.0] * 6] * 3
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_gloo_depends_on_mpi_while_another_mpi_is_in_flight(seed):
+    world = SimWorld(2, {"mpi": "mpi", "gloo": "mpi"}, seed=seed, max_delay=10)
+
+    def program(comm):
+        a, b = np.ones(4), np.ones(8)
+        fa = comm.allreduce(a, backend="mpi")
+        fb = comm.allreduce(b, backend="mpi")
+        fc = comm.broadcast(a, root=1, backend="gloo")  # reads... writes a: after fa
+        assert fc.wait() is a and fa.done()
+        return a.tolist(), fb.wait().tolist()
+
+    assert world.run(program) == [([2.0] * 4, [2.0] * 8)] * 2
