@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,6 +69,9 @@ class Bootstrap:
         self.timeout = config.timeout or 1800.0
         self._store: Any = None
         self._mpi_comm: Any = None
+        self.peer_failed = False
+        #: Called (from a signal handler: flag-setting only) when a peer process dies.
+        self.on_peer_failure: list[Any] = []
         if self.launcher == "mpi":
             try:
                 MPI = import_mpi()
@@ -75,6 +80,7 @@ class Bootstrap:
                     "this process was started by an MPI launcher but mpi4py cannot be imported "
                     f"({exc}); install mpi4py and mpich, or launch with torchrun"
                 ) from exc
+            self._watch_peer_failures()
             self._mpi_comm = comm = MPI.COMM_WORLD.Dup()
             self.rank, self.size = comm.Get_rank(), comm.Get_size()
             names = comm.allgather(MPI.Get_processor_name())
@@ -93,6 +99,22 @@ class Bootstrap:
             self.host = _LOOPBACK
         else:
             self.host = socket.gethostbyname(socket.gethostname())
+
+    def _watch_peer_failures(self) -> None:
+        """MPICH's launcher signals SIGUSR1 to the survivors when a rank dies (under
+        ``mpiexec -disable-auto-cleanup``; by default it kills them): Python would die of it.
+        Catch it instead, and let the runtime fail what is in flight (CommAbortedError).
+        A handler the program installed itself is left alone."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL:
+            return
+        signal.signal(signal.SIGUSR1, self._peer_failed)
+
+    def _peer_failed(self, signum: int, frame: Any) -> None:
+        self.peer_failed = True
+        for callback in list(self.on_peer_failure):
+            callback("a peer process died (the MPI launcher signalled SIGUSR1)")
 
     @property
     def mpi_comm(self) -> Any:

@@ -8,13 +8,14 @@ Bad input raises here, on the calling rank, before anything is sent.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from ._buffers import Buffer, as_buffer, new_buffer
+from ._debug import FIELDS, check, fingerprint
 from ._errors import CommClosedError, MCRDLError
-from ._types import DType, OpKind, ReduceOp
+from ._types import COLLECTIVES, DType, OpKind, ReduceOp
 from .engine import CommFuture
 
 if TYPE_CHECKING:
@@ -52,8 +53,11 @@ class Communicator:
     - ``_seq`` counts the operations submitted on this communicator (the ``#n`` in reprs).
     """
 
-    def __init__(self, runtime: Runtime, name: str, slots: dict[str, Slot]) -> None:
+    def __init__(self, runtime: Runtime, name: str, slots: dict[str, Slot],
+                 debug: Slot | None = None) -> None:
         self._runtime = runtime
+        self._debug = debug
+        self._cseq = 0  # collectives submitted (debug mode's fingerprint sequence)
         self._engine = runtime.engine
         self._selector = runtime.selector
         self.name = name
@@ -74,6 +78,10 @@ class Communicator:
     def backends(self) -> tuple[str, ...]:
         """Names of the backends this communicator can run operations on."""
         return tuple(self._slots)
+
+    def slots(self) -> list[Slot]:
+        """Every slot of this communicator, the debug lane's included."""
+        return [*self._slots.values(), *([self._debug] if self._debug is not None else [])]
 
     @property
     def runtime(self) -> Runtime:
@@ -135,8 +143,39 @@ class Communicator:
         nbytes: int,
     ) -> CommFuture:
         self._seq = seq = self._seq + 1
+        if self._debug is not None and kind in COLLECTIVES:
+            after = self._checked(kind, slot, args, after)
         return self._engine.submit(kind.value, slot.lane, seq, start, args, reads, writes,
                                    result, finish, after, nbytes)
+
+    def _checked(self, kind: OpKind, slot: Slot, args: tuple[Any, ...],
+                 after: Sequence[CommFuture]) -> list[CommFuture]:
+        """Debug mode: exchange this collective's fingerprint; it waits for the check."""
+        # What every member must agree on: scatter's input exists on the root only, so its
+        # output describes it; alltoallv's row counts differ per rank, so only its row shape.
+        bufs = [a for a in args[1:] if isinstance(a, Buffer)]
+        buf = bufs[-1] if kind is OpKind.SCATTER and bufs else (bufs[0] if bufs else None)
+        dtype, shape = (buf.dtype, buf.shape) if buf is not None else (None, ())
+        if kind is OpKind.ALLTOALLV:
+            shape = shape[1:]
+        root = next((a for a in args[2:] if type(a) is int), -1)
+        op = next((a for a in args if type(a) is ReduceOp), None)
+        names = self._runtime.selector.preference
+        self._cseq = cseq = self._cseq + 1
+        fp = fingerprint(cseq, kind, dtype, shape, root, op, names.index(slot.backend.name))
+        dbg = cast("Slot", self._debug)
+        table = np.empty((self.size, FIELDS), dtype=np.int64)
+        name = self.name
+
+        def finish(_fut: CommFuture) -> None:
+            check(table, name, names)
+
+        check_fut = self._engine.submit(
+            "fingerprint", dbg.lane, cseq, dbg.backend.start_allgather,
+            (dbg.group, new_buffer(fp.reshape(1, FIELDS), False, DType.INT64),
+             new_buffer(table, False, DType.INT64)),
+            _NO_RANGES, _NO_RANGES, table, finish, (), fp.nbytes)
+        return [*after, check_fut]
 
     def _rank_arg(self, name: str, value: Any) -> int:
         if type(value) is not int and not isinstance(value, (int, np.integer)):
@@ -292,8 +331,12 @@ class Communicator:
         if emulate:
             op = _SUM
             finish = self._avg_finish(buf)
-        self._seq = seq = self._seq + 1
         n = b[2]
+        if self._debug is not None:
+            return self._submit(_ALLREDUCE, slot, slot.backend.start_allreduce,
+                                (slot.group, b, op), _NO_RANGES, _ranges(b), buf, finish,
+                                after, n)
+        self._seq = seq = self._seq + 1
         return self._engine.submit(
             "allreduce", slot.lane, seq, slot.backend.start_allreduce, (slot.group, b, op),
             _NO_RANGES, ((b[3], b[3] + n),) if n else _NO_RANGES, buf, finish, after, n)

@@ -72,10 +72,16 @@ class Runtime:
             on_timeout=self._dump_flight_record,
         )
         self.selector = selector or Selector(tuple(backends))
+        if bootstrap is not None:
+            bootstrap.on_peer_failure.append(self.engine.request_abort)
         self._comms: list[Communicator] = []
-        self.world = self._communicator(
-            "world", {name: b.world() for name, b in self._backends.items()}
-        )
+        worlds = {name: b.world() for name, b in self._backends.items()}
+        debug_group = None
+        if config.debug:
+            world_group = worlds[self.debug_backend]
+            debug_group = self._backends[self.debug_backend].create_group(
+                world_group, list(range(world_group.size)), "world#debug")
+        self.world = self._communicator("world", worlds, debug_group)
 
     @property
     def backend_names(self) -> tuple[str, ...]:
@@ -91,32 +97,47 @@ class Runtime:
                 f"backend {name!r} is not up in this runtime; up: {', '.join(self._backends)}"
             ) from None
 
-    def _communicator(self, name: str, groups: dict[str, Any]) -> Communicator:
+    def _communicator(self, name: str, groups: dict[str, Any],
+                      debug_group: Any = None) -> Communicator:
         slots = {}
         for bname in self.selector.preference:
             backend = self._backends[bname]
             group = groups[bname]
             slots[bname] = Slot(backend, group, self.engine.lane(backend, group, name))
-        comm = Communicator(self, name, slots)
+        debug = None
+        if debug_group is not None:
+            backend = self._backends[self.debug_backend]
+            debug = Slot(backend, debug_group, self.engine.lane(backend, debug_group,
+                                                                 name + "#debug"))
+        comm = Communicator(self, name, slots, debug)
         self._comms.append(comm)
         return comm
+
+    @property
+    def debug_backend(self) -> str:
+        """The backend that carries debug mode's fingerprint exchanges."""
+        return self.selector.preference[0]
 
     def make_communicator(
         self, parent: Communicator, name: str, members: Sequence[int], n: int
     ) -> Communicator:
         """The sub-communicator ``name`` of ``members`` of ``parent`` (called by members only)."""
         groups = {}
+        debug_group = None
         # Group creation blocks among the members only, all of which are making this same
         # call right after the same allgather; holding the lock keeps MPI serialized.
         with self.engine.lock:
             for bname in self.selector.preference:
                 parent_group = parent._slots[bname].group
                 groups[bname] = self._backends[bname].create_group(parent_group, members, name)
-        return self._communicator(name, groups)
+            if self.config.debug:
+                debug_group = self._backends[self.debug_backend].create_group(
+                    parent._slots[self.debug_backend].group, members, name + "#debug")
+        return self._communicator(name, groups, debug_group)
 
     def close_communicator(self, comm: Communicator) -> None:
         """Wait for ``comm``'s unfinished operations, then free its groups."""
-        lanes = {slot.lane for slot in comm._slots.values()}
+        lanes = {slot.lane for slot in comm.slots()}
         for fut in self.engine.unfinished():
             if fut.lane in lanes:
                 try:
@@ -124,7 +145,7 @@ class Runtime:
                 except Exception:  # noqa: BLE001 - its owner sees the error; we only drain
                     pass
         with self.engine.lock:
-            for slot in comm._slots.values():
+            for slot in comm.slots():
                 slot.lane.closed = True
                 slot.backend.free_group(slot.group)
         self._comms.remove(comm)
@@ -135,13 +156,16 @@ class Runtime:
             f"{self.world.rank}: {', '.join(repr(f) for f in expired)}\n{record}\n"
         )
         dest = self.config.flight_recorder
-        if dest == "stderr":
-            sys.stderr.write(text)
-            sys.stderr.flush()
-        else:
-            path = dest.replace("{rank}", str(self.world.rank))
-            with open(path, "a", encoding="utf-8") as fh:
-                fh.write(text)
+        try:
+            if dest == "stderr":
+                sys.stderr.write(text)
+                sys.stderr.flush()
+            else:
+                path = dest.replace("{rank}", str(self.world.rank))
+                with open(path, "a", encoding="utf-8") as fh:
+                    fh.write(text)
+        except OSError:  # a launcher that stopped reading our stderr must not hide the error
+            pass
 
     def finalize(self) -> None:
         """Wait for every submitted operation, then release backends. Idempotent.
@@ -162,12 +186,16 @@ class Runtime:
             lambda f: RuntimeFinalizedError(f"the runtime was finalized before {f!r} finished")
         )
         engine.close("finalize() was called")
+        stats = engine.stats()
+        if stats.failed:
+            global _unhealthy
+            _unhealthy = True
         self.finalized = True
         with engine.lock:
             for comm in list(self._comms):
                 comm._mark_closed()
-                if comm is not self.world:
-                    for slot in comm._slots.values():
+                for slot in comm.slots():
+                    if comm is not self.world or slot is comm._debug:
                         slot.backend.free_group(slot.group)
             for backend in self._backends.values():
                 backend.close()
@@ -256,9 +284,28 @@ def finalize() -> None:
         runtime.finalize()
 
 
+_unhealthy = False
+#: Seconds MPI_Finalize may take at exit after operations failed before the process is ended.
+EXIT_GRACE = 5.0
+
+
 def _finalize_at_exit() -> None:
     for runtime in list(_live):
         try:
             runtime.finalize()
         except Exception as exc:  # noqa: BLE001 - report, but let the interpreter exit
             sys.stderr.write(f"mcrdl: finalize at exit failed: {exc}\n")
+    if _unhealthy and "mpi4py.MPI" in sys.modules:
+        # After failures (a dead peer, a timeout) MPI_Finalize, which runs after this, can
+        # wait forever for the lost rank: end the process if it has not exited by then.
+        threading.Thread(target=_exit_later, name="mcrdl-exit-watchdog", daemon=True).start()
+
+
+def _exit_later() -> None:
+    import time
+
+    time.sleep(EXIT_GRACE)
+    sys.stderr.write(f"mcrdl: MPI_Finalize did not return within {EXIT_GRACE:g} s after "
+                     "failed operations; exiting with status 1\n")
+    sys.stderr.flush()
+    os._exit(1)

@@ -75,7 +75,7 @@ def test_init_twice_is_refused_and_reinit_after_finalize_works():
 
 
 def test_unknown_backend_at_init():
-    with pytest.raises(UnknownBackendError, match=r"^unknown backend 'glo'; known: gloo, mpi$"):
+    with pytest.raises(UnknownBackendError, match=r"^unknown backend 'glo'; known: gloo, mpi, sim$"):
         mcrdl.init(backends=["glo"])
     assert mcrdl.current_runtime() is None
 

@@ -217,6 +217,11 @@ class Backend(ABC):
         """
         return False
 
+    def describe_wait(self, request: Request) -> str | None:
+        """What an unfinished request waits for, where the backend knows (e.g. "ranks [2]
+        have not issued it"); None where it cannot tell. Timeout messages quote it."""
+        return None
+
     def cancel(self, request: Request) -> bool:
         """Try to cancel an issued request; True if it will not complete. Default: cannot."""
         return False

@@ -21,7 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import (
     BackendError,
+    CommAbortedError,
     CommTimeoutError,
+    DesyncError,
+    MCRDLError,
     DependencyFailedError,
     FutureCancelledError,
     InvalidStateError,
@@ -107,6 +110,7 @@ class Engine:
         self.timeout = timeout
         self._on_timeout = on_timeout
         self._next_check = 0.0
+        self._abort_reason: str | None = None
         #: Number of threads or tasks driving progress in a wait right now.
         self.drivers = 0
         #: Called by a waiter instead of yielding the CPU between idle polls (the simulated
@@ -317,6 +321,8 @@ class Engine:
         if error is None and fut._finish is not None:
             try:
                 fut._finish(fut)
+            except MCRDLError as exc:  # the runtime's own verdict (e.g. DesyncError): as is
+                error = exc
             except Exception as exc:
                 error = BackendError(f"{fut.kind}#{fut.seq}: finishing step failed: {exc}")
                 error.__cause__ = exc
@@ -367,13 +373,15 @@ class Engine:
             return
         for dep in dependants:  # type: ignore[union-attr]
             if dep._state < DONE:
-                self._work.append(
-                    (dep, DependencyFailedError(
+                if isinstance(error, DesyncError):  # the check's verdict is the op's own
+                    failure: BaseException = DesyncError(f"{dep.kind}#{dep.seq}: {error}")
+                else:
+                    failure = DependencyFailedError(
                         f"{dep.kind}#{dep.seq} on {dep.lane.backend_name} depends on "
                         f"{fut.kind}#{fut.seq}, which {STATE_NAMES[fut._state].lower()}: "
                         f"{error}"
-                    ))
-                )
+                    )
+                self._work.append((dep, failure))
 
     def _flush_due(self) -> None:
         due, self._due = self._due, []
@@ -460,8 +468,21 @@ class Engine:
         if thread is not None and thread.parked:
             thread.wake()
 
+    def request_abort(self, reason: str) -> None:
+        """Fail every unfinished operation with CommAbortedError at the next idle check.
+
+        Safe from a signal handler: it only sets a flag (the handler may interrupt a thread
+        that holds the engine's lock).
+        """
+        self._abort_reason = reason
+
     def check_deadlines(self, now: float) -> None:
         """Fail issued operations older than ``timeout`` with CommTimeoutError (rate-limited)."""
+        if self._abort_reason is not None:
+            reason, self._abort_reason = self._abort_reason, None
+            self.fail_all(lambda f: CommAbortedError(f"{f.kind}#{f.seq} on lane "
+                                                     f"{f.lane.backend_name}:{f.lane.comm_name}"
+                                                     f" aborted: {reason}"))
         timeout = self.timeout
         if timeout is None or now < self._next_check:
             return
@@ -474,13 +495,13 @@ class Engine:
             record = flight_record(self)
             for fut in expired:
                 track = fut.lane.track
-                track.backend.cancel(track.remove(fut))
-            for fut in expired:
+                request = track.remove(fut)
+                why = track.backend.describe_wait(request) or "the peers it needs have not all arrived"
+                track.backend.cancel(request)
                 self._work.append((fut, CommTimeoutError(
                     f"{fut.kind}#{fut.seq} on lane {fut.lane.backend_name}:{fut.lane.comm_name} "
                     f"(rank {fut.lane.rank} of {fut.lane.size}) did not finish within "
-                    f"{timeout:g} s of being issued; "
-                    "the peers it needs have not all arrived"
+                    f"{timeout:g} s of being issued; {why}"
                 )))
             self._run_work()
         self._flush_due()

@@ -122,6 +122,9 @@ class SimWorld:
             backend and rank) for ``"nccl"`` semantics.
         engine_factory, selector_factory: replace the engine or selector of every rank
             (the test suite uses them to show that broken policies are caught).
+        wrap_blocking: False calls blocking backends inline (a broken policy, for the tests).
+        debug: check every collective's fingerprint (as ``MCRDL_DEBUG=1`` does).
+        timeout: the per-operation timeout, in real seconds (None: none).
     """
 
     def __init__(
@@ -136,6 +139,8 @@ class SimWorld:
         selector_factory: Callable[[int, tuple[str, ...]], Selector] | None = None,
         wrap_blocking: bool = True,
         max_steps: int = 200_000,
+        debug: bool = False,
+        timeout: float | None = None,
     ) -> None:
         if not 1 <= size <= 64:
             raise ValueError(f"size={size}: a simulated world has 1 to 64 ranks")
@@ -171,10 +176,11 @@ class SimWorld:
                 for b in sims.values():
                     b.capabilities = _unblocked(b.capabilities)
             engine = engine_factory() if engine_factory else Engine(
-                background=False, policy=PollPolicy(spin_polls=0), timeout=None)
+                background=False, policy=PollPolicy(spin_polls=0), timeout=timeout)
             engine.idle_hook = self.yield_
             selector = selector_factory(rank, tuple(sims)) if selector_factory else None
-            self.runtimes.append(Runtime(Config(progress_thread=False, timeout=None), None, sims,
+            config = Config(progress_thread=False, timeout=timeout, debug=debug)
+            self.runtimes.append(Runtime(config, None, sims,
                                          engine=engine, threads=threads, selector=selector))
 
     @property
