@@ -160,7 +160,7 @@ class Communicator:
             shape = shape[1:]
         root = next((a for a in args[2:] if type(a) is int), -1)
         op = next((a for a in args if type(a) is ReduceOp), None)
-        names = self._runtime.selector.preference
+        names = tuple(sorted(self._slots))  # rank-invariant, unlike a selector's order
         self._cseq = cseq = self._cseq + 1
         fp = fingerprint(cseq, kind, dtype, shape, root, op, names.index(slot.backend.name))
         dbg = cast("Slot", self._debug)

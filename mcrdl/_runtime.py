@@ -22,7 +22,7 @@ from ._errors import (
     MCRDLError,
     RuntimeFinalizedError,
 )
-from ._select import Selector, Slot
+from ._select import DEFAULT_PREFERENCE, Selector, Slot
 from .backends import Backend, backend_class, known_backends
 from .backends._threaded import ThreadedBackend, Threads
 from .engine import CommFuture, Engine, PollPolicy
@@ -115,8 +115,10 @@ class Runtime:
 
     @property
     def debug_backend(self) -> str:
-        """The backend that carries debug mode's fingerprint exchanges."""
-        return self.selector.preference[0]
+        """The backend that carries debug mode's fingerprint exchanges (rank-invariant: the
+        first of the built-in preference that is up, whatever the selector prefers)."""
+        names = sorted(self._backends)
+        return next((n for n in DEFAULT_PREFERENCE if n in names), names[0])
 
     def make_communicator(
         self, parent: Communicator, name: str, members: Sequence[int], n: int

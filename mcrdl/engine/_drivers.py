@@ -102,7 +102,9 @@ def wait(engine: Engine, fut: CommFuture, timeout: float | None) -> None:
             if idle <= spin:
                 continue
             if engine.idle_hook is not None:
-                engine.idle_hook()
+                engine.check_deadlines(engine._clock())
+                if fut._state < DONE:
+                    engine.idle_hook()
                 continue
             now = _clock()
             if deadline is not None and now >= deadline:

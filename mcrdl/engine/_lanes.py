@@ -100,7 +100,7 @@ def flight_record(engine: Any, now: float | None = None) -> str:
     from ._future import STATE_NAMES
 
     if now is None:
-        now = time.perf_counter()
+        now = engine._clock()
     unfinished: dict[Lane, list[Any]] = {}
     for track in engine._track_list:
         for f, _ in track.items():

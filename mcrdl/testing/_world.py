@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 __all__ = ["SimAborted", "SimDeadlock", "SimMismatch", "SimWorld"]
 
 _SCHED = -1
+#: Simulated seconds per scheduler step (the engines' clock, for timeouts).
+STEP_SECONDS = 1e-3
 
 
 class SimDeadlock(AssertionError):
@@ -124,7 +126,8 @@ class SimWorld:
             (the test suite uses them to show that broken policies are caught).
         wrap_blocking: False calls blocking backends inline (a broken policy, for the tests).
         debug: check every collective's fingerprint (as ``MCRDL_DEBUG=1`` does).
-        timeout: the per-operation timeout, in real seconds (None: none).
+        timeout: the per-operation timeout in simulated seconds (a scheduler step is
+            ``STEP_SECONDS``); None: none.
     """
 
     def __init__(
@@ -176,12 +179,17 @@ class SimWorld:
                 for b in sims.values():
                     b.capabilities = _unblocked(b.capabilities)
             engine = engine_factory() if engine_factory else Engine(
-                background=False, policy=PollPolicy(spin_polls=0), timeout=timeout)
+                background=False, policy=PollPolicy(spin_polls=0), timeout=timeout,
+                clock=self.clock)
             engine.idle_hook = self.yield_
             selector = selector_factory(rank, tuple(sims)) if selector_factory else None
             config = Config(progress_thread=False, timeout=timeout, debug=debug)
             self.runtimes.append(Runtime(config, None, sims,
                                          engine=engine, threads=threads, selector=selector))
+
+    def clock(self) -> float:
+        """Simulated seconds: each scheduler step is STEP_SECONDS."""
+        return self.step * STEP_SECONDS
 
     @property
     def comms(self) -> list[Communicator]:
@@ -288,6 +296,7 @@ class SimWorld:
                 # next due operation or waking thread, or report the deadlock.
                 due = [op.ready_at for op in self._pending if op.ready_at is not None]
                 due += [x.wake_at for x in alive if x.wake_at > self.step]
+                due += self._deadlines()
                 later = [d for d in due if d > self.step]
                 if later:
                     self.step = min(later)
@@ -303,6 +312,20 @@ class SimWorld:
         finally:
             self._abort()
         return [t.result for t in ranks]
+
+    def _deadlines(self) -> list[int]:
+        """Steps at which an in-flight operation times out (with a timeout configured)."""
+        steps = []
+        for runtime in self.runtimes:
+            engine = runtime.engine
+            if engine.timeout is None:
+                continue
+            for track in engine._track_list:
+                for fut, _ in track.items():
+                    # one step past the deadline, plus the engine's check interval
+                    limit = fut.t_issue + engine.timeout + min(engine.timeout / 8, 0.25)
+                    steps.append(int(limit / STEP_SECONDS) + 1)
+        return steps
 
     def _abort(self) -> None:
         """Unwind every thread still parked (workers, deadlocked ranks)."""

@@ -1,0 +1,101 @@
+"""Ill-formed programs fail loudly, never hang (simulated): desync, timeouts, cancellation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mcrdl
+from mcrdl.testing import SimDeadlock, SimWorld, check_program, programs
+
+from .broken import PerRankSelector
+
+SEMS = {"mpi": "mpi", "gloo": "mpi"}
+
+
+def test_different_collectives_raise_desync_on_every_member():
+    world = SimWorld(3, SEMS, seed=0, debug=True)
+
+    def program(comm):
+        comm.allreduce(np.ones(4), backend="mpi").wait()
+        try:
+            if comm.rank == 1:
+                comm.broadcast(np.ones(4), root=0, backend="mpi").wait()
+            else:
+                comm.allreduce(np.ones(4), backend="mpi").wait()
+        except mcrdl.DesyncError as exc:
+            return str(exc)
+        return None
+
+    messages = world.run(program)
+    assert all(m is not None for m in messages), messages
+    for m in messages:
+        assert "members of communicator world submitted different collectives" in m
+        assert "rank 0: allreduce#2 float64[4] op=SUM on mpi" in m
+        assert "rank 1: broadcast#2 float64[4] root=0 on mpi" in m
+
+
+def test_per_rank_backend_choice_is_a_desync_not_a_hang_in_debug_mode():
+    world = SimWorld(2, SEMS, seed=0, debug=True, selector_factory=PerRankSelector)
+
+    def program(comm):
+        with pytest.raises(mcrdl.DesyncError, match=r"rank 0: allreduce#1 float64\[3\] "
+                                                     r"op=SUM on mpi; rank 1: allreduce#1 "
+                                                     r"float64\[3\] op=SUM on gloo"):
+            comm.allreduce(np.ones(3)).wait()
+        return True
+
+    assert world.run(program) == [True, True]
+
+
+def test_the_same_choice_without_debug_mode_hangs_and_the_world_says_so():
+    world = SimWorld(2, SEMS, seed=0, selector_factory=PerRankSelector)
+    with pytest.raises(SimDeadlock, match=r"ranks \[1\] have not issued it"):
+        world.run(lambda comm: comm.allreduce(np.ones(3)).wait())
+
+
+DEBUG = settings(max_examples=60, deadline=None, database=None,
+                 suppress_health_check=list(HealthCheck))
+
+
+@DEBUG
+@given(programs(backends=tuple(SEMS), max_size=4), st.integers(0, 999))
+def test_debug_mode_never_flags_a_well_formed_program(program, seed):
+    check_program(program, seed=seed, backends=SEMS, debug=True)
+
+
+def test_timeout_names_the_operation_and_the_peers_that_did_not_arrive():
+    world = SimWorld(3, SEMS, seed=0, timeout=0.5)
+
+    def program(comm):
+        if comm.rank == 2:
+            return None  # never submits its part
+        with pytest.raises(mcrdl.CommTimeoutError) as info:
+            comm.allreduce(np.ones(2), backend="mpi").wait()
+        return str(info.value)
+
+    messages = world.run(program)
+    for m in messages[:2]:
+        assert "allreduce#1 on lane mpi:world" in m
+        assert "did not finish within 0.5 s of being issued; ranks [2] have not issued it" in m
+
+
+def test_cancel_before_issue_fails_dependants_and_issued_cancel_is_refused():
+    world = SimWorld(2, SEMS, seed=0)
+
+    def program(comm):
+        x = np.ones(4)
+        first = comm.allreduce(x, backend="gloo")
+        second = comm.allreduce(x, backend="mpi")  # waits for first (same buffer)
+        third = comm.broadcast(x, backend="mpi", after=[second])
+        assert second.cancel() is True
+        with pytest.raises(mcrdl.DependencyFailedError, match=r"which cancelled"):
+            third.wait()
+        with pytest.raises(mcrdl.InvalidStateError, match=r"cannot cancel .* issued already"):
+            first.cancel()
+        first.wait()
+        return x.tolist()
+
+    assert world.run(program) == [[2.0] * 4] * 2
