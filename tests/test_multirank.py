@@ -84,3 +84,13 @@ def test_a_dead_peer_makes_every_survivor_raise_and_nothing_hangs(tmp_path):
         assert mpi in ("CommAbortedError", "CommTimeoutError"), line
         assert gloo in ("BackendError", "CommTimeoutError", "CommAbortedError"), line
         assert float(after) < 3 + 5, line  # within the timeout (plus slack)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_debug_mode(n):
+    run_suite(n, "tests/multirank/test_debug.py", env={"MCRDL_DEBUG": "1"})
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_generated_programs_on_real_backends(n):
+    run_suite(n, "tests/multirank/test_programs.py")

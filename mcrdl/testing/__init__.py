@@ -3,13 +3,29 @@
 - `SimWorld`: N simulated ranks in one process, each with a real runtime (engine, lanes,
   DAG) over simulated backends with MPI-like, NCCL-like or blocking matching semantics,
   scheduled deterministically from a seed.
+- `programs()`: a hypothesis strategy of well-formed multi-rank programs; `check_program`
+  runs one in a simulated world and compares every rank's buffers with the sequential
+  `reference`; `run_program` runs one on real communicators.
+- `record` / `replay`: capture what a rank submits in a real step, and replay it in the
+  simulated world under many timings and backend assignments.
+
+Example::
+
+    from hypothesis import given
+    from mcrdl.testing import check_program, programs
+
+    @given(programs(backends=("mpi", "gloo")))
+    def test_my_runtime_never_deadlocks(program):
+        check_program(program)
 """
 
 from ._programs import KINDS, Program, Region, Step, programs, reference, run_program
+from ._record import Recording, record, replay
 from ._world import SimAborted, SimDeadlock, SimMismatch, SimWorld
 
-__all__ = ["KINDS", "Program", "Region", "SimAborted", "SimDeadlock", "SimMismatch", "SimWorld",
-           "Step", "check_program", "programs", "reference", "run_program"]
+__all__ = ["KINDS", "Program", "Recording", "Region", "SimAborted", "SimDeadlock", "SimMismatch",
+           "SimWorld", "Step", "check_program", "programs", "record", "reference", "replay",
+           "run_program"]
 
 
 def check_program(program: Program, *, seed: int = 0, backends: dict[str, str] | None = None,

@@ -314,3 +314,22 @@ def test_large_allreduces_in_segments_stay_matched(comm):
     assert (b == n).all()
     assert torch.all(c == 2.0 * n).item()
     assert small.tolist() == [float(n)] * 5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_three_communicator_cycle(comm, backend):
+    """rank0: A then C; rank1: B then A; rank2: C then B (A={0,1}, B={1,2}, C={0,2})."""
+    if comm.size < 3:
+        pytest.skip("needs three ranks")
+    r = comm.rank
+    a = comm.split(0 if r in (0, 1) else None)
+    b = comm.split(0 if r in (1, 2) else None)
+    c = comm.split(0 if r in (0, 2) else None)
+    if r > 2:
+        return
+    order = {0: (a, c), 1: (b, a), 2: (c, b)}[r]
+    futs = [g.allreduce(torch.full((4,), float(r + 1)), backend=backend) for g in order]
+    got = [f.wait()[0].item() for f in futs]
+    assert got == {0: [3.0, 4.0], 1: [5.0, 3.0], 2: [4.0, 5.0]}[r]
+    for g in order:
+        g.close()

@@ -1,0 +1,49 @@
+"""Debug mode on the real backends (launched with MCRDL_DEBUG=1 at 2 and 4 ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mcrdl
+
+
+def test_debug_mode_is_on(comm):
+    assert comm.runtime.config.debug
+    assert comm._debug is not None
+
+
+def test_well_formed_collectives_pass_the_check(comm):
+    x = torch.ones(8)
+    assert comm.allreduce(x, backend="mpi").wait()[0].item() == comm.size
+    assert comm.allreduce(x, backend="gloo").wait()[0].item() == comm.size ** 2
+    out = comm.alltoallv(torch.arange(comm.size), [1] * comm.size).wait()
+    assert out.tolist() == [comm.rank] * comm.size
+    sub = comm.split(comm.rank % 2)
+    assert sub.allreduce(torch.ones(1)).wait().item() == sub.size
+    sub.close()
+
+
+def test_different_collectives_raise_desync_everywhere(comm):
+    x = torch.ones(4)
+    if comm.rank == 0:
+        fut = comm.broadcast(x, root=0, backend="mpi")
+    else:
+        fut = comm.allreduce(x, backend="mpi")
+    with pytest.raises(mcrdl.DesyncError, match=r"rank 0: broadcast#\d+ float32\[4\] root=0 "
+                                                 r"on mpi; rank 1: allreduce#\d+ float32\[4\]"):
+        fut.wait()
+
+
+def test_per_rank_backend_choice_raises_desync_instead_of_hanging(comm):
+    backend = "mpi" if comm.rank % 2 == 0 else "gloo"
+    with pytest.raises(mcrdl.DesyncError, match=r"on mpi; rank 1: allreduce#\d+ .* on gloo"):
+        comm.allreduce(torch.ones(3), backend=backend).wait()
+
+
+def test_mismatched_sizes_raise_desync_before_gloo_could_abort(comm):
+    """gloo kills the process (SIGABRT) on mismatched sizes; the check stops it first."""
+    x = torch.ones(4 + comm.rank)
+    with pytest.raises(mcrdl.DesyncError, match=r"rank 0: allreduce#\d+ float32\[4\]"):
+        comm.allreduce(x, backend="gloo").wait()
+    comm.barrier().wait()
