@@ -70,7 +70,7 @@ class Communicator:
         self._seq = 0
         self._splits = 0
         self._closed = False
-        self._choice_cache: dict[tuple[Any, ...], tuple[Slot, bool]] = {}
+        self._choice_cache: dict[tuple[Any, ...], Any] = {}  # (slot, emulate) or a Router
 
     # -- identity ------------------------------------------------------------------------
 
@@ -113,17 +113,18 @@ class Communicator:
         key = (kind, dtype, op, backend)
         hit = self._choice_cache.get(key)
         if hit is not None:
-            return hit
+            return hit if type(hit) is tuple else hit.pick(nbytes)  # type: ignore[union-attr]
         if self._closed:  # finalize closes every communicator
             raise CommClosedError(
                 f"cannot {kind.value} on {self.name}: the runtime was finalized"
                 if self._runtime.finalized
                 else f"cannot {kind.value} on {self!r}: the communicator is closed"
             )
-        choice, cacheable = self._selector.choose(self._slots, kind, dtype, op, nbytes, backend)
+        choice, cacheable = self._selector.choose(self._slots, kind, dtype, op, nbytes, backend,
+                                                  self.size)
         if cacheable:
-            self._choice_cache[key] = choice
-        return choice
+            self._choice_cache[key] = choice  # type: ignore[assignment]
+        return choice if type(choice) is tuple else choice.pick(nbytes)  # type: ignore[union-attr]
 
     def _mark_closed(self) -> None:
         self._closed = True
@@ -324,7 +325,7 @@ class Communicator:
         if type(op) is not ReduceOp:
             op = _check_op(op)
         choice = self._choice_cache.get((_ALLREDUCE, b[1], op, backend))
-        if choice is None:
+        if type(choice) is not tuple:  # not cached, or sized by a tuning table
             choice = self._choose(_ALLREDUCE, b[1], op, b[2], backend)
         slot, emulate = choice
         finish = None
@@ -432,7 +433,7 @@ class Communicator:
         """Chunk j of this rank's ``buf`` (along dim 0) goes to rank j; resolves to ``out``."""
         b = as_buffer(buf, "buf")
         self._rows(OpKind.ALLTOALL, b)
-        slot, _ = self._choose(OpKind.ALLTOALL, b.dtype, None, b.nbytes * self.size, backend)
+        slot, _ = self._choose(OpKind.ALLTOALL, b.dtype, None, b.nbytes, backend)
         o = self._out(OpKind.ALLTOALL, out, b, tuple(b.shape))
         return self._submit(OpKind.ALLTOALL, slot, slot.backend.start_alltoall,
                             (slot.group, b, o), _ranges(b), _ranges(o), o.obj, None, after,
@@ -467,12 +468,27 @@ class Communicator:
         tail = tuple(b.shape[1:])
         if recv_counts is not None:
             recv = self._counts("recv_counts", recv_counts)
-            slot, _ = self._choose(OpKind.ALLTOALLV, b.dtype, None, b.nbytes, backend)
+            slot, _ = self._choose(OpKind.ALLTOALLV, b.dtype, None,
+                                   self._global_alltoallv_bytes(b, backend), backend)
             o = self._out(OpKind.ALLTOALLV, out, b, (sum(recv), *tail))
             return self._submit(OpKind.ALLTOALLV, slot, slot.backend.start_alltoallv,
                                 (slot.group, b, send, o, recv), _ranges(b), _ranges(o), o.obj,
                                 None, after, b.nbytes)
         return self._alltoallv_exchanging(b, send, tail, out, backend, after)
+
+    def _global_alltoallv_bytes(self, b: Buffer, backend: str | None) -> int:
+        """The agreed total of an alltoallv, where auto's choice depends on it (else local).
+
+        The backend must be the same on every member (rule 4 of DESIGN.md) and each member
+        knows only its own send counts: when the tuning table decides alltoallv by size, the
+        members first agree on the total (an allreduce on the control backend, waited for).
+        """
+        if backend not in (None, "auto") or not self._selector.sized(OpKind.ALLTOALLV, b.dtype,
+                                                                        self.size):
+            return b.nbytes
+        total = np.array([b.nbytes], dtype=np.int64)
+        self.allreduce(total, backend=self._runtime.control_backend).wait()
+        return int(total[0])
 
     def _counts(self, name: str, counts: Sequence[int]) -> tuple[int, ...]:
         try:
@@ -499,7 +515,8 @@ class Communicator:
             if tuple(o_given.shape[1:]) != tail:
                 raise ValueError(f"out has shape {tuple(o_given.shape)}; alltoallv of buf with "
                                  f"shape {tuple(b.shape)} needs (sum(recv_counts), *{tail})")
-        slot, _ = self._choose(OpKind.ALLTOALLV, b.dtype, None, b.nbytes, backend)
+        slot, _ = self._choose(OpKind.ALLTOALLV, b.dtype, None,
+                               self._global_alltoallv_bytes(b, backend), backend)
         counts_slot, _ = self._choose(OpKind.ALLTOALL, DType.INT64, None, 8 * self.size,
                                       slot.backend.name)
         mine = np.asarray(send, dtype=np.int64)

@@ -11,6 +11,8 @@ import atexit
 import os
 import sys
 import threading
+
+import numpy as np
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +28,7 @@ from ._select import DEFAULT_PREFERENCE, Selector, Slot
 from .backends import Backend, backend_class, known_backends
 from .backends._threaded import ThreadedBackend, Threads
 from .engine import CommFuture, Engine, PollPolicy
+from .tuning._table import TuningTable
 
 __all__ = ["Runtime", "current_runtime", "finalize", "init"]
 
@@ -71,15 +74,22 @@ class Runtime:
             timeout=config.timeout,
             on_timeout=self._dump_flight_record,
         )
-        self.selector = selector or Selector(tuple(backends))
+        self.tuning: TuningTable | None = None
+        self._tuning_error: str | None = None
+        if config.tuning and selector is None:
+            try:
+                self.tuning = TuningTable.load(config.tuning)
+            except ValueError as exc:  # every rank must still reach the agreement exchange
+                self._tuning_error = str(exc)
+        self.selector = selector or Selector(tuple(backends), table=self.tuning)
         if bootstrap is not None:
             bootstrap.on_peer_failure.append(self.engine.request_abort)
         self._comms: list[Communicator] = []
         worlds = {name: b.world() for name, b in self._backends.items()}
         debug_group = None
         if config.debug:
-            world_group = worlds[self.debug_backend]
-            debug_group = self._backends[self.debug_backend].create_group(
+            world_group = worlds[self.control_backend]
+            debug_group = self._backends[self.control_backend].create_group(
                 world_group, list(range(world_group.size)), "world#debug")
         self.world = self._communicator("world", worlds, debug_group)
 
@@ -106,17 +116,42 @@ class Runtime:
             slots[bname] = Slot(backend, group, self.engine.lane(backend, group, name))
         debug = None
         if debug_group is not None:
-            backend = self._backends[self.debug_backend]
+            backend = self._backends[self.control_backend]
             debug = Slot(backend, debug_group, self.engine.lane(backend, debug_group,
                                                                  name + "#debug"))
         comm = Communicator(self, name, slots, debug)
         self._comms.append(comm)
         return comm
 
+    def agree_on_tuning(self) -> None:
+        """Check that every rank holds the same tuning table (the hash of its entries).
+
+        Raises:
+            MCRDLError: a rank could not read its table, or the tables differ; on every rank.
+        """
+        digest = np.zeros(33, dtype=np.uint8)
+        if self.tuning is not None:
+            digest[0] = 1
+            digest[1:] = np.frombuffer(bytes.fromhex(self.tuning.hash), dtype=np.uint8)
+        world = self.world
+        table = world.allgather(digest, backend=self.control_backend).wait().reshape(
+            world.size, 33)
+        if (table == table[0]).all() and table[0, 0] == 1:
+            return
+        rows = []
+        for rank, row in enumerate(table):
+            rows.append(f"rank {rank}: " + (bytes(row[1:]).hex()[:12] if row[0] else "none"))
+        why = f" ({self._tuning_error})" if self._tuning_error else ""
+        raise MCRDLError(
+            f"ranks do not hold the same tuning table{why}: {'; '.join(rows)}; give every rank "
+            f"the same file (init(tuning=...) or MCRDL_TUNING)"
+        )
+
     @property
-    def debug_backend(self) -> str:
-        """The backend that carries debug mode's fingerprint exchanges (rank-invariant: the
-        first of the built-in preference that is up, whatever the selector prefers)."""
+    def control_backend(self) -> str:
+        """The backend of the runtime's own exchanges (debug fingerprints, agreed totals):
+        rank-invariant, the first of the built-in preference that is up, whatever the
+        selector prefers."""
         names = sorted(self._backends)
         return next((n for n in DEFAULT_PREFERENCE if n in names), names[0])
 
@@ -133,8 +168,8 @@ class Runtime:
                 parent_group = parent._slots[bname].group
                 groups[bname] = self._backends[bname].create_group(parent_group, members, name)
             if self.config.debug:
-                debug_group = self._backends[self.debug_backend].create_group(
-                    parent._slots[self.debug_backend].group, members, name + "#debug")
+                debug_group = self._backends[self.control_backend].create_group(
+                    parent._slots[self.control_backend].group, members, name + "#debug")
         return self._communicator(name, groups, debug_group)
 
     def close_communicator(self, comm: Communicator) -> None:
@@ -267,6 +302,12 @@ def init(
                 )
             up[name] = cls(bootstrap)
         runtime = Runtime(config, bootstrap, up)
+        if config.tuning:
+            try:
+                runtime.agree_on_tuning()
+            except MCRDLError:
+                runtime.finalize()
+                raise
         _live.append(runtime)
         if not _atexit_registered:
             atexit.register(_finalize_at_exit)

@@ -3,12 +3,15 @@
 Rule 4 of DESIGN.md: the backend of a collective depends only on the operation, the dtype, the
 global message size, the communicator size and a table every rank holds identically, never on
 local timings or per-rank sizes, so that all members pick the same backend without talking.
-Without a tuning table the choice is the first backend in the preference order that can run
-the operation on the dtype (natively, or AVG as SUM then divide).
+With a tuning table (``mcrdl.tuning``) the table's choice for the operation, dtype,
+communicator size and global message size wins, where the backend is up and can run it.
+Without one, or where it says nothing, the choice is the first backend in the preference order
+that can run the operation on the dtype (natively, or AVG as SUM then divide).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,8 +23,9 @@ from .backends import known_backends
 if TYPE_CHECKING:
     from .backends import Backend
     from .engine import Lane
+    from .tuning import TuningTable
 
-__all__ = ["DEFAULT_PREFERENCE", "Selector", "Slot"]
+__all__ = ["DEFAULT_PREFERENCE", "Router", "Selector", "Slot"]
 
 #: The built-in order for backend="auto" without a tuning table: measured on one node, MPI
 #: beats gloo for every collective and size (MACHINE-NOTES.md), so it goes first.
@@ -35,6 +39,24 @@ class Slot:
     backend: Backend
     group: Any
     lane: Lane
+
+
+class Router:
+    """A size-dependent choice: ``pick(nbytes)`` bisects the table's range bounds."""
+
+    __slots__ = ("bounds", "choices")
+
+    def __init__(self, bounds: list[int], choices: list[tuple[Slot, bool]]) -> None:
+        self.bounds = bounds
+        self.choices = choices
+
+    def pick(self, nbytes: int) -> tuple[Slot, bool]:
+        """The (slot, emulate_avg) for a message of ``nbytes`` (global size)."""
+        return self.choices[bisect_right(self.bounds, nbytes)]
+
+
+def _dname(dtype: DType | None) -> str:
+    return "none" if dtype is None else dtype.value
 
 
 def _cannot(caps: Any, kind: OpKind, dtype: DType | None, op: ReduceOp | None) -> str | None:
@@ -55,10 +77,19 @@ class Selector:
     - ``preference`` lists the runtime's backends in the order auto tries them.
     """
 
-    def __init__(self, backends: Sequence[str], preference: Sequence[str] = DEFAULT_PREFERENCE):
+    def __init__(self, backends: Sequence[str], preference: Sequence[str] = DEFAULT_PREFERENCE,
+                 table: TuningTable | None = None):
         ordered = [b for b in preference if b in backends]
         ordered += [b for b in sorted(backends) if b not in ordered]
         self.preference = tuple(ordered)
+        self.table = table
+
+    def sized(self, kind: OpKind, dtype: DType | None, comm_size: int) -> bool:
+        """Whether auto's choice for this operation depends on the message size."""
+        if self.table is None:
+            return False
+        route = self.table.route(kind.value, _dname(dtype), comm_size)
+        return route is not None and len(set(route[1])) > 1
 
     def choose(
         self,
@@ -68,8 +99,12 @@ class Selector:
         op: ReduceOp | None,
         nbytes: int,
         backend: str | None,
-    ) -> tuple[tuple[Slot, bool], bool]:
+        comm_size: int = 0,
+    ) -> tuple[tuple[Slot, bool] | Router, bool]:
         """``((slot, emulate_avg), cacheable)`` for one operation.
+
+        For ``backend="auto"`` with a tuning table whose choice depends on the size, the
+        first element is a `Router` (``router.pick(nbytes)`` gives the choice), cacheable.
 
         Raises:
             UnknownBackendError, BackendUnavailableError: a bad ``backend`` name.
@@ -82,6 +117,10 @@ class Selector:
                 "or a floating-point dtype"
             )
         if backend is None or backend == "auto":
+            if self.table is not None:
+                routed = self._routed(slots, kind, dtype, op, comm_size)
+                if routed is not None:
+                    return routed, True
             name = self._auto(slots, kind, dtype, op)
         elif type(backend) is str and backend in slots:
             name = backend
@@ -107,6 +146,28 @@ class Selector:
         caps = slot.backend.capabilities
         emulate = op is ReduceOp.AVG and ReduceOp.AVG not in caps.reductions
         return (slot, emulate), True
+
+    def _routed(
+        self, slots: Mapping[str, Slot], kind: OpKind, dtype: DType | None,
+        op: ReduceOp | None, comm_size: int,
+    ) -> tuple[Slot, bool] | Router | None:
+        """The table's choice, where it has one that can run here; None: use the default."""
+        route = self.table.route(kind.value, _dname(dtype), comm_size)  # type: ignore[union-attr]
+        if route is None:
+            return None
+        bounds, names = route
+        choices = []
+        for name in names:
+            # A choice this runtime cannot honour (a backend not up, or not able to run this
+            # dtype) falls back to the default rule: capabilities first, the same everywhere.
+            if name not in slots or _cannot(slots[name].backend.capabilities, kind, dtype, op):
+                name = self._auto(slots, kind, dtype, op)
+            slot = slots[name]
+            emulate = op is ReduceOp.AVG and ReduceOp.AVG not in slot.backend.capabilities.reductions
+            choices.append((slot, emulate))
+        if len({id(c[0]) for c in choices}) == 1:
+            return choices[0]
+        return Router(bounds, choices)
 
     def _auto(
         self, slots: Mapping[str, Slot], kind: OpKind, dtype: DType | None, op: ReduceOp | None

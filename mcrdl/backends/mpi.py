@@ -6,7 +6,8 @@ Quirks beyond the contract:
 - torch tensors travel as ``MPI.buffer.fromaddress`` over their storage with an explicit
   datatype (0.1 µs; their ``.numpy()`` view costs 0.7 µs and a tensor handed to mpi4py
   directly 5-20 µs); numpy arrays travel as themselves. bfloat16 has no MPI datatype: it
-  travels as int16 bits, so it moves but does not reduce.
+  travels as int16 bits, and bfloat16 and float16 reduce through user-defined ops that
+  reduce with torch (see ``_half_ops``).
 - Every communicator is private (a Dup or Create_group), so user traffic on COMM_WORLD can
   never match ours.
 - Reductions on bool use the logical ops (SUM and MAX are LOR, PROD and MIN are LAND).
@@ -39,6 +40,7 @@ _INTS = frozenset({DType.UINT8, DType.INT8, DType.INT16, DType.INT32, DType.INT6
                    DType.UINT16, DType.UINT32, DType.UINT64})
 _REALS = frozenset({DType.FLOAT32, DType.FLOAT64})
 _COMPLEX = frozenset({DType.COMPLEX64, DType.COMPLEX128})
+_HALVES = frozenset({DType.FLOAT16, DType.BFLOAT16})
 
 
 class _MPIGroup:
@@ -84,17 +86,34 @@ class _Segmented:
         return f"<mpi group rank={self.rank}/{self.size}>"
 
 
-def _float16_reduces(MPI: Any) -> bool:
-    """Whether this MPI library reduces float16 (MPICH's MPIX_C_FLOAT16) correctly."""
-    import numpy as np
+def _half_ops(MPI: Any) -> dict[ReduceOp, Any]:
+    """MPI ops reducing 16-bit floats (bfloat16, float16) with torch, by bit pattern.
 
-    try:
-        a = np.array([1.5, -2.0, 65504.0], dtype=np.float16)
-        b = np.empty_like(a)
-        MPI.COMM_SELF.Allreduce(a, b, op=MPI.SUM)
-        return bool((a == b).all())
-    except Exception:  # noqa: BLE001 - any failure means "no"
-        return False
+    MPI has no bfloat16 type, and MPICH's float16 reduction runs ~30x slower than float32
+    (4 ms per MiB here); a user-defined op over the 2-byte words, reducing with torch in the
+    dtype the operation carries, takes ~0.2 ms per MiB. The callback must never raise: an
+    exception inside it aborts the whole MPI job. So it only reinterprets the two buffers
+    (empty ones are skipped) and reduces in place.
+    """
+    import torch
+
+    def make(reduce_into: Any, dtype: Any) -> Any:
+        def fn(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+            if len(memoryview(inbuf)) == 0:
+                return
+            a = torch.frombuffer(inbuf, dtype=dtype)
+            b = torch.frombuffer(inoutbuf, dtype=dtype)
+            reduce_into(b, a)
+
+        return MPI.Op.Create(fn, commute=True)
+
+    ops: dict[Any, Any] = {}
+    for dt, tdt in ((DType.BFLOAT16, torch.bfloat16), (DType.FLOAT16, torch.float16)):
+        ops[(dt, ReduceOp.SUM)] = make(lambda b, a: b.add_(a), tdt)
+        ops[(dt, ReduceOp.PROD)] = make(lambda b, a: b.mul_(a), tdt)
+        ops[(dt, ReduceOp.MIN)] = make(lambda b, a: torch.minimum(b, a, out=b), tdt)
+        ops[(dt, ReduceOp.MAX)] = make(lambda b, a: torch.maximum(b, a, out=b), tdt)
+    return ops
 
 
 class MPIBackend(Backend):
@@ -133,10 +152,11 @@ class MPIBackend(Backend):
         }
         self._testsome = MPI.Request.Testsome
         self._statuses: list[Any] = []
-        floats = _REALS | ({DType.FLOAT16} if _float16_reduces(MPI) else frozenset())
-        ordered = _INTS | floats
+        self._half = _half_ops(MPI)
+        ordered = _INTS | _REALS | {DType.FLOAT16, DType.BFLOAT16}
         self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD,
                      ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX}
+        self._plain = _INTS | _REALS | _COMPLEX  # dtypes MPI's own ops reduce
         self._bool_ops = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR,
                           ReduceOp.PROD: MPI.LAND, ReduceOp.MIN: MPI.LAND}
         self.capabilities = Capabilities(
@@ -177,7 +197,10 @@ class MPIBackend(Backend):
     # -- operations ----------------------------------------------------------------------
 
     def _op(self, op: ReduceOp, buf: Buffer) -> Any:
-        return (self._bool_ops if buf.dtype is DType.BOOL else self._ops)[op]
+        dtype = buf.dtype
+        if dtype in _HALVES:
+            return self._half[(dtype, op)]
+        return (self._bool_ops if dtype is DType.BOOL else self._ops)[op]
 
     def _msg(self, buf: Buffer) -> list[Any]:
         """mpi4py's message spec for ``buf``: its memory and its datatype."""
@@ -202,11 +225,11 @@ class MPIBackend(Backend):
 
     def start_allreduce(self, group: _MPIGroup, buf: Buffer, op: ReduceOp) -> Request:
         obj, dtype, nbytes, start, is_torch, _ = buf
-        ops = self._bool_ops if dtype is DType.BOOL else self._ops
+        mop = self._ops[op] if dtype in self._plain else self._op(op, buf)
         if nbytes >= SEGMENT_FROM and group.size > 1:
-            return self._segmented(group, buf, ops[op])
+            return self._segmented(group, buf, mop)
         msg = [self._fromaddress(start, nbytes) if is_torch else obj, self._types[dtype]]
-        return group.comm.Iallreduce(self._IN_PLACE, msg, ops[op])
+        return group.comm.Iallreduce(self._IN_PLACE, msg, mop)
 
     # -- segmented reductions ------------------------------------------------------------
 

@@ -1,0 +1,168 @@
+"""``python -m mcrdl bench`` and ``python -m mcrdl tune`` (under mpiexec or torchrun).
+
+    mpiexec -n 2 python -m mcrdl bench --ops allreduce,alltoall --sizes 4:64M --plot bench.png
+    mpiexec -n 2 python -m mcrdl bench --format osu --ops allreduce --sizes 4:1M
+    mpiexec -n 2 python -m mcrdl tune --output tuning.json
+    MCRDL_TUNING=tuning.json mpiexec -n 2 python train.py      # backend="auto" uses it
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import os
+import platform
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _bytes(text: str) -> int:
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().rstrip("B")
+    unit = t[-1] if t and t[-1] in units else ""
+    try:
+        return int(float(t[: len(t) - len(unit)]) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4, 64K or 16M") from None
+
+
+def sizes_arg(spec: str, factor: int) -> list[int]:
+    """``4:64M`` (powers of ``factor`` from 4 B to 64 MiB) or a list ``1K,1M``."""
+    if "," in spec:
+        return [_bytes(s) for s in spec.split(",")]
+    lo, _, hi = spec.partition(":")
+    a, b = _bytes(lo), _bytes(hi or lo)
+    if a <= 0 or b < a:
+        raise argparse.ArgumentTypeError(f"--sizes {spec!r}: need 0 < lo <= hi")
+    out = []
+    while a <= b:
+        out.append(a)
+        a *= factor
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .tuning._bench import OPS
+
+    p = argparse.ArgumentParser(prog="python -m mcrdl", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, helptext in (("bench", "measure operations on every backend"),
+                           ("tune", "measure, then write a tuning table for backend='auto'")):
+        s = sub.add_parser(name, help=helptext)
+        s.add_argument("--ops", default=",".join(o for o in OPS if o != "barrier"),
+                       help=f"comma-separated, from: {', '.join(OPS)}")
+        s.add_argument("--sizes", default="4:64M", help="lo:hi (powers of --factor) or a list")
+        s.add_argument("--factor", type=int, default=4, choices=(2, 4))
+        s.add_argument("--dtypes", default="float32" if name == "bench"
+                       else "float32,bfloat16,float16,int64")
+        s.add_argument("--backends", default=None,
+                       help="comma-separated (default: every backend up, plus auto for bench)")
+        s.add_argument("--budget", type=float, default=0.1,
+                       help="seconds of timed iterations per point (after warm-up)")
+        s.add_argument("--warmup", type=int, default=5)
+        s.add_argument("--no-progress", action="store_true", help="no progress bar")
+        if name == "bench":
+            s.add_argument("--format", choices=("table", "osu", "csv", "json"), default="table")
+            s.add_argument("--output", help="write the report here instead of stdout")
+            s.add_argument("--plot", help="also write a PNG plot of latency and busbw")
+            s.add_argument("--no-raw", action="store_true",
+                           help="leave out raw mpi4py and raw torch.distributed")
+        else:
+            s.add_argument("--output", default="mcrdl-tuning.json")
+    return p
+
+
+def provenance(comm: Any) -> dict[str, Any]:
+    """Where and with what a measurement was made."""
+    import numpy as np
+    import torch
+
+    import mcrdl
+
+    info: dict[str, Any] = {
+        "mcrdl": mcrdl.__version__, "torch": torch.__version__, "numpy": np.__version__,
+        "python": platform.python_version(), "world_size": comm.size,
+        "backends": list(comm.backends),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if "mpi" in comm.backends:
+        import mpi4py
+        from mpi4py import MPI
+
+        info["mpi4py"] = mpi4py.__version__
+        info["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()
+    hosts = sorted({socket.gethostname()})
+    cpu = platform.processor() or platform.machine()
+    info["host"] = hashlib.sha256(f"{hosts}|{cpu}|{os.cpu_count()}".encode()).hexdigest()[:16]
+    return info
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (see the module docstring)."""
+    args = _parser().parse_args(argv)
+    import mcrdl
+    from mcrdl.tuning._bench import sweep
+
+    comm = mcrdl.init()
+    try:
+        ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+        dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+        sizes = sizes_arg(args.sizes, args.factor)
+        names: list[str | None] = (list(comm.backends) if not args.backends
+                                   else [b.strip() for b in args.backends.split(",")])
+        if args.command == "bench" and not args.backends:
+            names.append(None)  # auto
+        points = sweep(comm, ops, sizes, dtypes, names,
+                       raw=args.command == "bench" and not args.no_raw, warmup=args.warmup,
+                       budget=args.budget, progress=not args.no_progress)
+        if comm.rank != 0:
+            return 0
+        meta = provenance(comm)
+        if args.command == "tune":
+            return _write_table(points, meta, args.output)
+        return _report(points, meta, args, comm.size)
+    finally:
+        mcrdl.finalize()
+
+
+def _report(points: Any, meta: dict[str, Any], args: Any, ranks: int) -> int:
+    from .tuning import _report as report
+
+    text = {"table": lambda: report.as_table(points, ranks), "osu": lambda: report.as_osu(points),
+            "csv": lambda: report.as_csv(points),
+            "json": lambda: report.as_json(points, meta)}[args.format]()
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    else:
+        print(text)
+    if args.plot:
+        report.plot(points, args.plot, f"mcrdl bench, {ranks} ranks")
+    return 0
+
+
+def _write_table(points: Any, meta: dict[str, Any], path: str) -> int:
+    from .tuning import TuningTable
+
+    latencies: dict[tuple[str, str, int, int], dict[str, float]] = {}
+    for p in points:
+        latencies.setdefault((p.op, p.dtype if p.op != "barrier" else "none",
+                              meta["world_size"], p.nbytes), {})[p.backend] = p.time_us
+    table = TuningTable.from_measurements(latencies, meta)
+    table.save(path)
+    print(f"wrote {path}: {len(table.entries)} ranges over {len(points)} measurements, "
+          f"hash {table.hash[:12]}")
+    for e in table.entries:
+        hi = "inf" if e.max_bytes is None else e.max_bytes
+        print(f"  {e.op:<15} {e.dtype:<9} n={e.comm_size} [{e.min_bytes}, {hi}) -> {e.backend}"
+              f" (margin {e.margin:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""Sweeps: every operation x size x dtype x backend, timed the way nccl-tests times them.
+
+Sizes are *global* message sizes (see ``_table``). For every point all ranks run the same
+number of iterations, decided by rank 0 from the warm-up and broadcast (a rank deciding for
+itself from its own timings would desynchronize the ranks); a point's time is the median
+over iterations of the slowest rank. Raw mpi4py (blocking calls on the same buffers' numpy
+views) and raw torch.distributed (gloo) can be measured in the same run, as baselines.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from .._errors import MCRDLError
+from .._types import DType, ReduceOp
+
+__all__ = ["BUS_FACTOR", "OPS", "Point", "RAW_MPI", "RAW_TORCH", "sweep"]
+
+OPS = ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter", "reduce_scatter",
+       "alltoall", "alltoallv", "barrier")
+RAW_MPI = "raw-mpi4py"
+RAW_TORCH = "raw-torch"
+_REDUCING = ("allreduce", "reduce", "reduce_scatter")
+_ROOTED = ("broadcast", "reduce", "gather", "scatter")
+
+
+def BUS_FACTOR(op: str, n: int) -> float:  # noqa: N802 - a table, read like one
+    """nccl-tests' bus bandwidth factor for ``op`` on ``n`` ranks."""
+    if n <= 1:
+        return 1.0
+    if op == "allreduce":
+        return 2 * (n - 1) / n
+    if op in ("broadcast", "reduce"):
+        return 1.0
+    return (n - 1) / n
+
+
+@dataclass
+class Point:
+    """One measured point: a backend's time for one operation at one global size."""
+
+    op: str
+    dtype: str
+    nbytes: int
+    count: int
+    backend: str
+    time_us: float
+    algbw: float
+    busbw: float
+    iters: int
+    root: int
+    redop: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """The point as a flat dict (CSV and JSON rows)."""
+        return asdict(self)
+
+
+def _itemsize(dtype: str) -> int:
+    return 2 if dtype == "bfloat16" else int(np.dtype(dtype).itemsize)
+
+
+def _elements(op: str, nbytes: int, itemsize: int, n: int) -> int:
+    """Elements per rank's input for a global size (rounded so that chunks divide)."""
+    total = max(1, nbytes // itemsize)
+    if op == "alltoallv":  # equal counts, so that every rank receives what it expects
+        return max(n, total // n // n * n)
+    if op in ("allgather", "gather"):
+        return max(1, total // n)
+    if op in ("scatter", "reduce_scatter", "alltoall"):
+        return max(n, total // n * n)
+    return total
+
+
+def _out_elements(op: str, elems: int, n: int) -> int:
+    if op in ("allgather", "gather"):
+        return elems * n
+    if op in ("scatter", "reduce_scatter"):
+        return elems // n
+    return elems
+
+
+def _global_bytes(op: str, elems: int, itemsize: int, n: int) -> int:
+    if op in ("allgather", "gather", "alltoallv"):
+        return elems * itemsize * n
+    if op == "barrier":
+        return 0
+    return elems * itemsize
+
+
+class _Raw:
+    """The raw baselines' callables for one point (None where a baseline cannot run it)."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.mpi = None
+        if "mpi" in comm.backends:
+            from mpi4py import MPI
+
+            self.MPI = MPI
+            self.mpi = MPI.COMM_WORLD.Dup()
+        self.dist = None
+        import torch.distributed as dist
+
+        if "gloo" in comm.backends:
+            if not dist.is_initialized():
+                store = dist.PrefixStore("mcrdl/bench/raw", comm.runtime.bootstrap.store())
+                dist.init_process_group("gloo", store=store, rank=comm.rank,
+                                        world_size=comm.size)
+            self.dist = dist
+
+    def mpi_call(self, op: str, t: Any, out: Any, redop: ReduceOp) -> Callable[[], Any] | None:
+        if self.mpi is None:
+            return None
+        import torch
+
+        MPI, c = self.MPI, self.mpi
+        if t.dtype == torch.bfloat16:
+            if op in _REDUCING:
+                return None  # raw MPI has no bfloat16 reduction
+            t, out = t.view(torch.int16), out.view(torch.int16)
+        a, o = t.numpy(), out.numpy()
+        mop = {ReduceOp.SUM: MPI.SUM, ReduceOp.MAX: MPI.MAX, ReduceOp.MIN: MPI.MIN,
+               ReduceOp.PROD: MPI.PROD}.get(redop, MPI.SUM)
+        n = c.size
+        calls = {
+            "allreduce": lambda: c.Allreduce(MPI.IN_PLACE, a, mop),
+            "broadcast": lambda: c.Bcast(a, 0),
+            "reduce": lambda: c.Reduce(MPI.IN_PLACE if c.rank == 0 else a,
+                                       a if c.rank == 0 else None, mop, 0),
+            "allgather": lambda: c.Allgather(a, o),
+            "gather": lambda: c.Gather(a, o if c.rank == 0 else None, 0),
+            "scatter": lambda: c.Scatter(a if c.rank == 0 else None, o, 0),
+            "reduce_scatter": lambda: c.Reduce_scatter_block(a, o, mop),
+            "alltoall": lambda: c.Alltoall(a, o),
+            "alltoallv": lambda: c.Alltoallv([a, _split(a.size, n)], [o, _split(a.size, n)]),
+            "barrier": lambda: c.Barrier(),
+        }
+        return calls[op]
+
+    def torch_call(self, op: str, t: Any, out: Any, redop: ReduceOp) -> Callable[[], Any] | None:
+        d = self.dist
+        if d is None:
+            return None
+        n = self.comm.size
+        rop = {ReduceOp.SUM: d.ReduceOp.SUM, ReduceOp.MAX: d.ReduceOp.MAX,
+               ReduceOp.MIN: d.ReduceOp.MIN, ReduceOp.PROD: d.ReduceOp.PRODUCT}.get(
+            redop, d.ReduceOp.SUM)
+        rank = self.comm.rank
+        calls = {
+            "allreduce": lambda: d.all_reduce(t, rop),
+            "broadcast": lambda: d.broadcast(t, 0),
+            "reduce": lambda: d.reduce(t, 0, rop),
+            "allgather": lambda: d.all_gather_into_tensor(out, t),
+            "gather": lambda: d.gather(t, list(out.chunk(n)) if rank == 0 else None, 0),
+            "scatter": lambda: d.scatter(out, list(t.chunk(n)) if rank == 0 else None, 0),
+            "reduce_scatter": lambda: d.reduce_scatter_tensor(out, t, rop),
+            "alltoall": lambda: d.all_to_all_single(out, t),
+            "alltoallv": lambda: d.all_to_all_single(out, t, _split(t.numel(), n)[0],
+                                                     _split(t.numel(), n)[0]),
+            "barrier": lambda: d.barrier(),
+        }
+        return calls[op]
+
+
+def _mcrdl_call(comm: Any, op: str, t: Any, out: Any, redop: ReduceOp,
+                backend: str | None) -> Callable[[], Any]:
+    n = comm.size
+    kw = {"backend": backend}
+    if op == "allreduce":
+        return lambda: comm.allreduce(t, redop, **kw).wait()
+    if op == "broadcast":
+        return lambda: comm.broadcast(t, 0, **kw).wait()
+    if op == "reduce":
+        return lambda: comm.reduce(t, 0, redop, **kw).wait()
+    if op == "allgather":
+        return lambda: comm.allgather(t, out=out, **kw).wait()
+    if op == "gather":
+        return lambda: comm.gather(t, 0, out=out if comm.rank == 0 else None, **kw).wait()
+    if op == "scatter":
+        return lambda: comm.scatter(t, 0, out=out, **kw).wait()
+    if op == "reduce_scatter":
+        return lambda: comm.reduce_scatter(t, redop, out=out, **kw).wait()
+    if op == "alltoall":
+        return lambda: comm.alltoall(t, out=out, **kw).wait()
+    if op == "alltoallv":
+        counts = _split(t.numel(), n)[0]
+        return lambda: comm.alltoallv(t, counts, counts, out=out, **kw).wait()
+    return lambda: comm.barrier(**kw).wait()
+
+
+def _split(total: int, n: int) -> tuple[list[int], list[int]]:
+    """Counts and displacements splitting ``total`` elements into ``n`` near-equal parts."""
+    counts = [total // n] * n
+    counts[-1] += total - sum(counts)
+    displs = [sum(counts[:i]) for i in range(n)]
+    return counts, displs
+
+
+def _timed(comm: Any, call: Callable[[], Any], warmup: int, budget: float,
+           max_iters: int) -> tuple[float, int]:
+    """(slowest rank's median seconds, iterations): the count is rank 0's, for everyone."""
+    control = comm.runtime.control_backend
+    comm.barrier(backend=control).wait()
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        call()
+    per = (time.perf_counter() - t0) / max(1, warmup)
+    want = np.array([min(max_iters, max(3, int(budget / max(per, 1e-7))))], dtype=np.int64)
+    comm.broadcast(want, 0, backend=control).wait()
+    iters = int(want[0])
+    comm.barrier(backend=control).wait()
+    samples = []
+    clock = time.perf_counter
+    for _ in range(iters):
+        s = clock()
+        call()
+        samples.append(clock() - s)
+    med = np.array([statistics.median(samples)], dtype=np.float64)
+    comm.allreduce(med, ReduceOp.MAX, backend=control).wait()
+    return float(med[0]), iters
+
+
+def sweep(
+    comm: Any,
+    ops: Sequence[str],
+    sizes: Sequence[int],
+    dtypes: Sequence[str],
+    backends: Sequence[str | None],
+    *,
+    raw: bool = True,
+    redop: ReduceOp = ReduceOp.SUM,
+    warmup: int = 5,
+    budget: float = 0.2,
+    max_iters: int = 10000,
+    progress: bool = False,
+) -> list[Point]:
+    """Measure every (op, size, dtype, backend); ``None`` in ``backends`` means auto.
+
+    Points a backend cannot run (a dtype it cannot reduce, say) are left out.
+    """
+    import torch
+
+    n = comm.size
+    plan = [(op, dtype, size) for op in ops for dtype in dtypes
+            for size in (sizes if op != "barrier" else [0])]
+    rawer = _Raw(comm) if raw else None
+    points: list[Point] = []
+    total = len(plan)
+    for step, (op, dtype, size) in enumerate(plan):
+        itemsize = _itemsize(dtype)
+        elems = _elements(op, size, itemsize, n) if op != "barrier" else 1
+        tdtype = getattr(torch, dtype)
+        t = torch.zeros(elems, dtype=tdtype)
+        out = torch.zeros(_out_elements(op, elems, n), dtype=tdtype)
+        nbytes = _global_bytes(op, elems, itemsize, n)
+        candidates: list[tuple[str, Callable[[], Any] | None]] = [
+            (b or "auto", _mcrdl_call(comm, op, t, out, redop, b)) for b in backends]
+        if rawer is not None:
+            candidates.append((RAW_MPI, rawer.mpi_call(op, t, out, redop)))
+            candidates.append((RAW_TORCH, rawer.torch_call(op, t, out, redop)))
+        for name, call in candidates:
+            if call is None or not _runs(comm, name, op, dtype, redop):
+                continue
+            seconds, iters = _timed(comm, call, warmup, budget, max_iters)
+            us = seconds * 1e6
+            algbw = nbytes / seconds / 1e9 if seconds > 0 else 0.0
+            points.append(Point(op, dtype, nbytes, elems, name, round(us, 3), round(algbw, 4),
+                                round(algbw * BUS_FACTOR(op, n), 4), iters,
+                                0 if op in _ROOTED else -1,
+                                redop.value if op in _REDUCING else "none"))
+        if progress and comm.rank == 0:
+            _bar(step + 1, total, f"{op} {dtype} {size}B")
+    if progress and comm.rank == 0:
+        sys.stderr.write("\n")
+    return points
+
+
+def _runs(comm: Any, name: str, op: str, dtype: str, redop: ReduceOp) -> bool:
+    """Whether mcrdl can run this point on backend ``name`` (the raw ones: always)."""
+    if name in (RAW_MPI, RAW_TORCH):
+        return True
+    from .._types import OpKind
+
+    try:
+        comm._selector.choose(comm._slots, OpKind(op), DType(dtype) if op != "barrier" else None,
+                              redop if op in _REDUCING else None, 0,
+                              None if name == "auto" else name, comm.size)
+    except MCRDLError:
+        return False
+    return True
+
+
+def _bar(done: int, total: int, what: str) -> None:
+    width = 30
+    filled = width * done // max(total, 1)
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what:<32}")
+    sys.stderr.flush()
