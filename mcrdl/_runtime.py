@@ -33,7 +33,7 @@ from .tuning._table import TuningTable
 __all__ = ["Runtime", "current_runtime", "finalize", "init"]
 
 _live: list[Runtime] = []
-_live_lock = threading.Lock()
+_live_lock = threading.RLock()  # init() finalizes a runtime it failed to agree on
 _atexit_registered = False
 
 #: Backends a launcher can bring up by default, in bring-up order.

@@ -94,3 +94,49 @@ def test_debug_mode(n):
 @pytest.mark.parametrize("n", [2, 4])
 def test_generated_programs_on_real_backends(n):
     run_suite(n, "tests/multirank/test_programs.py")
+
+
+def _synthetic_table(path, other=False):
+    from mcrdl.tuning import Entry, TuningTable
+
+    entries = []
+    for op in ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter",
+               "reduce_scatter", "alltoall", "alltoallv"):
+        for dtype in ("float32", "int64", "bfloat16"):
+            for n in (1, 2, 3, 4):
+                entries += [Entry(op, dtype, n, 0, 256, "gloo"),
+                            Entry(op, dtype, n, 256, 4096, "mpi"),
+                            Entry(op, dtype, n, 4096, None, "gloo" if not other else "mpi")]
+    TuningTable(entries, {"purpose": "test"}).save(str(path))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_auto_under_a_tuning_table(n, tmp_path):
+    path = tmp_path / "table.json"
+    _synthetic_table(path)
+    run_suite(n, "tests/multirank/test_auto.py", env={"MCRDL_TUNING": str(path)})
+
+
+def test_ranks_with_different_tables_are_refused_everywhere(tmp_path):
+    base = tmp_path / "table.json"
+    _synthetic_table(base)
+    _synthetic_table(str(base) + ".other", other=True)
+    proc = run_ranks(2, ["tests/multirank/tuning_mismatch.py"], timeout=120,
+                     env={"MCRDL_TUNING_BASE": str(base)})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    refusals = re.findall(r"refused rank=\d: ranks do not hold the same tuning table: "
+                          r"rank 0: [0-9a-f]{12}; rank 1: [0-9a-f]{12}", out)
+    assert len(refusals) == 2, out[-4000:]
+
+
+def test_a_rank_that_cannot_read_its_table_is_refused_everywhere(tmp_path):
+    base = tmp_path / "table.json"
+    _synthetic_table(base)  # rank 1 looks for table.json.other, which does not exist
+    proc = run_ranks(2, ["tests/multirank/tuning_mismatch.py"], timeout=120,
+                     env={"MCRDL_TUNING_BASE": str(base)})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert len(re.findall(r"refused rank=\d: ranks do not hold the same tuning table \(cannot "
+                          r"read tuning table", out)) == 1, out[-4000:]
+    assert len(re.findall(r"refused rank=\d: ranks do not hold the same tuning table", out)) == 2

@@ -133,11 +133,16 @@ class TuningTable:
         cls,
         latencies: Mapping[tuple[str, str, int, int], Mapping[str, float]],
         provenance: Mapping[str, Any] | None = None,
+        *,
+        noise: float = 1.10,
     ) -> TuningTable:
         """Build a table from ``{(op, dtype, comm_size, nbytes): {backend: µs}}``.
 
         Each measured size decides the range from itself up to the next measured size (the
         first also covers everything below it); adjacent ranges with the same winner merge.
+        A single size whose winner differs from both neighbours' (which agree) by less than
+        ``noise`` (runner-up over winner) is taken for noise and given the neighbours' choice:
+        one noisy point must not carve a range out for the slower backend.
         """
         groups: dict[tuple[str, str, int], list[tuple[int, Mapping[str, float]]]] = {}
         for (op, dtype, n, nbytes), lat in latencies.items():
@@ -146,11 +151,19 @@ class TuningTable:
         entries = []
         for (op, dtype, n), points in groups.items():
             points.sort(key=lambda p: p[0])
+            winners = [min(lat.items(), key=lambda kv: (kv[1], kv[0]))[0] for _, lat in points]
+            for i in range(1, len(points) - 1):
+                lat = points[i][1]
+                prev, nxt = winners[i - 1], winners[i + 1]
+                if winners[i] != prev and prev == nxt and prev in lat:
+                    if lat[prev] <= lat[winners[i]] * noise:
+                        winners[i] = prev
             ranges: list[Entry] = []
             for i, (nbytes, lat) in enumerate(points):
-                ranked = sorted(lat.items(), key=lambda kv: (kv[1], kv[0]))
-                best, best_us = ranked[0]
-                margin = ranked[1][1] / best_us if len(ranked) > 1 and best_us > 0 else 1.0
+                best = winners[i]
+                best_us = lat[best]
+                others = sorted(v for k, v in lat.items() if k != best)
+                margin = others[0] / best_us if others and best_us > 0 else 1.0
                 lo = 0 if i == 0 else nbytes
                 hi = points[i + 1][0] if i + 1 < len(points) else None
                 if ranges and ranges[-1].backend == best:
