@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=0.1, help="tuning seconds per point")
     ap.add_argument("--json", help="write the measurements here")
     ap.add_argument("--plot", help="write a PNG of auto/best and auto/torch per op")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply the cycles per point")
     args = ap.parse_args()
     ops = args.ops.split(",")
     sizes = parse_sizes(args.sizes, base=4)
@@ -111,7 +112,8 @@ def main() -> None:
             torch_call = raw.torch_call(op, t, out, ReduceOp.SUM)
             if torch_call is not None:
                 calls["torch"] = torch_call
-            cycles = 400 if size <= 4096 else 100 if size <= (1 << 20) else 16
+            cycles = max(8, int((400 if size <= 4096 else 100 if size <= (1 << 20) else 16)
+                                * args.scale))
             res = round_robin(comm, calls, cycles)
             # This machine's noise can exceed 3% at a point: re-measure a point whose auto/best
             # ratio falls outside [0.97, 1.03] twice more and keep the median run (by ratio).

@@ -86,7 +86,18 @@ class _Segmented:
         return f"<mpi group rank={self.rank}/{self.size}>"
 
 
-def _half_ops(MPI: Any) -> dict[ReduceOp, Any]:
+_HALF_OPS: dict[Any, Any] = {}
+
+
+def _half_ops(MPI: Any) -> dict[Any, Any]:
+    """The 16-bit float ops, made once per process (mpi4py has room for 16 user-defined
+    reduction ops in all, and a runtime may be brought up again after finalize)."""
+    if not _HALF_OPS:
+        _HALF_OPS.update(_make_half_ops(MPI))
+    return _HALF_OPS
+
+
+def _make_half_ops(MPI: Any) -> dict[Any, Any]:
     """MPI ops reducing 16-bit floats (bfloat16, float16) with torch, by bit pattern.
 
     MPI has no bfloat16 type, and MPICH's float16 reduction runs ~30x slower than float32
