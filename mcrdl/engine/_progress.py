@@ -113,6 +113,9 @@ class Engine:
         self._abort_reason: str | None = None
         #: Number of threads or tasks driving progress in a wait right now.
         self.drivers = 0
+        #: When the caller last submitted or stopped waiting (the background thread keeps out
+        #: of a caller that is busy with the engine).
+        self.last_active = 0.0
         #: Called by a waiter instead of yielding the CPU between idle polls (the simulated
         #: world hands control to its scheduler here); None in real runs.
         self.idle_hook: Callable[[], None] | None = None
@@ -174,8 +177,9 @@ class Engine:
         """
         if after:
             after = self._check_after(after)
+        self.last_active = now = self._clock()
         fut = CommFuture(self, kind, lane, seq, start, args, reads, writes, result, finish,
-                         nbytes, self._clock())
+                         nbytes, now)
         lock = self._lock
         lock.acquire()
         try:
