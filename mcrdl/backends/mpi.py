@@ -56,6 +56,9 @@ class _MPIGroup:
         self.seg_comm = comm.Dup()
         self.segq: deque[_Segmented] = deque()
 
+    def __repr__(self) -> str:
+        return f"<mpi group rank={self.rank}/{self.size}>"
+
 
 class _Segmented:
     """A large allreduce cut into segments, a window of them in flight at a time.
@@ -83,7 +86,8 @@ class _Segmented:
         return self.backend._segment_test(self)
 
     def __repr__(self) -> str:
-        return f"<mpi group rank={self.rank}/{self.size}>"
+        return (f"<mpi segmented allreduce {self.next}/{len(self.pieces)} issued, "
+                f"{len(self.active)} in flight>")
 
 
 _HALF_OPS: dict[Any, Any] = {}

@@ -449,10 +449,6 @@ class Engine:
                 return False
         return True
 
-    def wait_for(self, fut: CommFuture, timeout: float | None = None) -> None:
-        """Drive progress from this thread until ``fut`` is done (see ``_drivers.wait``)."""
-        _drivers.wait(self, fut, timeout)
-
     def drive_async(self, fut: CommFuture) -> Generator[Any, None, None]:
         """The body of ``await fut``: poll from the running event loop until ``fut`` is done."""
         if self._closed and fut._state < DONE:

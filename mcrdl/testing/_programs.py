@@ -240,8 +240,8 @@ def reference(program: Program) -> list[list[np.ndarray]]:
             value = reduce_stack(np.stack([buf(m) for m in members]), _native(step.op))
             if step.op is ReduceOp.AVG:
                 value = value / n
-            for i, m in enumerate(np.split(value, n)):
-                out(members[i])[:] = m
+            for i, chunk in enumerate(np.split(value, n)):
+                out(members[i])[:] = chunk
         elif kind == "alltoall":
             parts = [np.split(buf(m), n) for m in members]
             for j, m in enumerate(members):
