@@ -132,9 +132,10 @@ class Bootstrap:
 
         timeout = datetime.timedelta(seconds=self.timeout)
         if self.launcher == "single":
-            return dist.HashStore()
+            return dist.HashStore()  # type: ignore[attr-defined]
         if self.launcher == "torchrun":
-            store, _, _ = next(dist.rendezvous("env://", self.rank, self.size, timeout=timeout))
+            rdv = dist.rendezvous  # type: ignore[attr-defined]
+            store, _, _ = next(rdv("env://", self.rank, self.size, timeout=timeout))
             return store
         comm = self._mpi_comm
         if self.rank == 0:
@@ -145,11 +146,12 @@ class Bootstrap:
             sock.listen(max(self.size, 16))
             port = sock.getsockname()[1]
             comm.bcast((self.host, port), root=0)
-            store = dist.TCPStore(self.host, port, self.size, True, timeout,
-                                  wait_for_workers=False, master_listen_fd=sock.detach())
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                self.host, port, self.size, True, timeout,
+                wait_for_workers=False, master_listen_fd=sock.detach())
         else:
             host, port = comm.bcast(None, root=0)
-            store = dist.TCPStore(host, port, self.size, False, timeout)
+            store = dist.TCPStore(host, port, self.size, False, timeout)  # type: ignore[attr-defined]
         comm.Barrier()
         return store
 

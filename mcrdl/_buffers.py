@@ -75,7 +75,7 @@ class Buffer(tuple):  # type: ignore[type-arg]
 
     __slots__ = ()
 
-    obj: Any = property(itemgetter(0))  # type: ignore[assignment]
+    obj: Any = property(itemgetter(0))
     dtype: DType = property(itemgetter(1))  # type: ignore[assignment]
     nbytes: int = property(itemgetter(2))  # type: ignore[assignment]
     start: int = property(itemgetter(3))  # type: ignore[assignment]
@@ -85,7 +85,7 @@ class Buffer(tuple):  # type: ignore[type-arg]
     @property
     def stop(self) -> int:
         """One past the last byte."""
-        return self[3] + self[2]
+        return int(self[3] + self[2])
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -150,7 +150,7 @@ def as_buffer(obj: Any, name: str, writable: bool = False) -> Buffer:
         TypeError: not a torch tensor or numpy array, or a dtype mcrdl does not carry.
         ValueError: non-contiguous, not in host memory, or read-only where ``writable``.
     """
-    tensor_type = _tensor_type
+    tensor_type: Any = _tensor_type
     if tensor_type is not None and isinstance(obj, tensor_type):
         dt = _TORCH_DTYPES.get(obj.dtype)
         if dt is None or not obj.is_cpu or not obj.is_contiguous():

@@ -113,7 +113,7 @@ class Communicator:
         key = (kind, dtype, op, backend)
         hit = self._choice_cache.get(key)
         if hit is not None:
-            return hit if type(hit) is tuple else hit.pick(nbytes)  # type: ignore[union-attr]
+            return hit if type(hit) is tuple else hit.pick(nbytes)
         if self._closed:  # finalize closes every communicator
             raise CommClosedError(
                 f"cannot {kind.value} on {self.name}: the runtime was finalized"
@@ -123,7 +123,7 @@ class Communicator:
         choice, cacheable = self._selector.choose(self._slots, kind, dtype, op, nbytes, backend,
                                                   self.size)
         if cacheable:
-            self._choice_cache[key] = choice  # type: ignore[assignment]
+            self._choice_cache[key] = choice
         return choice if type(choice) is tuple else choice.pick(nbytes)  # type: ignore[union-attr]
 
     def _mark_closed(self) -> None:
@@ -186,7 +186,7 @@ class Communicator:
             raise ValueError(
                 f"{name}={value} out of range for communicator of size {self.size}"
             )
-        return value
+        return int(value)
 
     def _peer_arg(self, name: str, value: Any) -> int:
         value = self._rank_arg(name, value)
@@ -195,7 +195,7 @@ class Communicator:
                 f"{name}={value} is this rank; a message to oneself is a local copy: "
                 "use tensor.copy_() instead"
             )
-        return value
+        return int(value)
 
     @staticmethod
     def _tag_arg(tag: Any) -> int:

@@ -13,7 +13,7 @@ import sys
 import threading
 
 import numpy as np
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._bootstrap import Bootstrap
@@ -52,7 +52,7 @@ class Runtime:
         self,
         config: Config,
         bootstrap: Bootstrap | None,
-        backends: dict[str, Backend],
+        backends: Mapping[str, Backend],
         *,
         engine: Engine | None = None,
         threads: Threads | None = None,
@@ -64,7 +64,9 @@ class Runtime:
         self.bootstrap = bootstrap
         # The engine never blocks in a backend: blocking ones get a thread per lane.
         self._backends = {
-            name: ThreadedBackend(b, threads) if b.capabilities.blocking_calls else b
+            # (its start_* methods are generated, which mypy cannot see)
+            name: ThreadedBackend(b, threads)  # type: ignore[abstract]
+            if b.capabilities.blocking_calls else b
             for name, b in backends.items()
         }
         self.finalized = False

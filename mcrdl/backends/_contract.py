@@ -108,6 +108,9 @@ class Bootstrap(Protocol):
 class Backend(ABC):
     """One transport behind the engine. Subclasses set ``name`` and ``capabilities``.
 
+    ``group`` arguments are the backend's own `Group` objects (typed ``Any`` here, so that
+    each backend can name its own class).
+
     Invariants:
     - no method blocks waiting for a peer once the backend is up, except group creation, which
       the runtime calls only when every member is known to be making the same call;
@@ -128,11 +131,11 @@ class Backend(ABC):
         """Bring the backend up on the world (collective over all ranks)."""
 
     @abstractmethod
-    def world(self) -> Group:
+    def world(self) -> Any:
         """The group of all ranks."""
 
     @abstractmethod
-    def create_group(self, parent: Group, members: Sequence[int], tag: str) -> Group:
+    def create_group(self, parent: Any, members: Sequence[int], tag: str) -> Any:
         """A group of ``members`` (ranks of ``parent``, in the new group's rank order).
 
         Called by exactly the members, all with the same arguments; ``tag`` is unique per
@@ -140,55 +143,55 @@ class Backend(ABC):
         """
 
     @abstractmethod
-    def free_group(self, group: Group) -> None:
+    def free_group(self, group: Any) -> None:
         """Release a group created by ``create_group``; no request on it is in flight."""
 
     # Operations. Each returns a Request (see module docstring for shapes).
 
     @abstractmethod
-    def start_send(self, group: Group, buf: Buffer, dst: int, tag: int) -> Request:
+    def start_send(self, group: Any, buf: Buffer, dst: int, tag: int) -> Request:
         """Send ``buf`` to rank ``dst`` of ``group``."""
 
     @abstractmethod
-    def start_recv(self, group: Group, buf: Buffer, src: int, tag: int) -> Request:
+    def start_recv(self, group: Any, buf: Buffer, src: int, tag: int) -> Request:
         """Receive into ``buf`` from rank ``src`` of ``group``."""
 
     @abstractmethod
-    def start_broadcast(self, group: Group, buf: Buffer, root: int) -> Request:
+    def start_broadcast(self, group: Any, buf: Buffer, root: int) -> Request:
         """Copy ``root``'s ``buf`` into every member's ``buf``."""
 
     @abstractmethod
-    def start_reduce(self, group: Group, buf: Buffer, root: int, op: ReduceOp) -> Request:
+    def start_reduce(self, group: Any, buf: Buffer, root: int, op: ReduceOp) -> Request:
         """Reduce every member's ``buf`` into ``root``'s ``buf``; others' ``buf`` stay unchanged."""
 
     @abstractmethod
-    def start_allreduce(self, group: Group, buf: Buffer, op: ReduceOp) -> Request:
+    def start_allreduce(self, group: Any, buf: Buffer, op: ReduceOp) -> Request:
         """Reduce every member's ``buf`` into every member's ``buf``."""
 
     @abstractmethod
-    def start_gather(self, group: Group, buf: Buffer, out: Buffer | None, root: int) -> Request:
+    def start_gather(self, group: Any, buf: Buffer, out: Buffer | None, root: int) -> Request:
         """Concatenate members' ``buf`` along dim 0 into ``root``'s ``out`` (None elsewhere)."""
 
     @abstractmethod
-    def start_allgather(self, group: Group, buf: Buffer, out: Buffer) -> Request:
+    def start_allgather(self, group: Any, buf: Buffer, out: Buffer) -> Request:
         """Concatenate members' ``buf`` along dim 0 into every member's ``out``."""
 
     @abstractmethod
-    def start_scatter(self, group: Group, buf: Buffer | None, out: Buffer, root: int) -> Request:
+    def start_scatter(self, group: Any, buf: Buffer | None, out: Buffer, root: int) -> Request:
         """Split ``root``'s ``buf`` along dim 0; chunk i goes to member i's ``out``."""
 
     @abstractmethod
-    def start_reduce_scatter(self, group: Group, buf: Buffer, out: Buffer, op: ReduceOp) -> Request:
+    def start_reduce_scatter(self, group: Any, buf: Buffer, out: Buffer, op: ReduceOp) -> Request:
         """Reduce members' ``buf``; chunk i of the result along dim 0 goes to member i's ``out``."""
 
     @abstractmethod
-    def start_alltoall(self, group: Group, buf: Buffer, out: Buffer) -> Request:
+    def start_alltoall(self, group: Any, buf: Buffer, out: Buffer) -> Request:
         """Chunk j of member i's ``buf`` goes to chunk i of member j's ``out``."""
 
     @abstractmethod
     def start_alltoallv(
         self,
-        group: Group,
+        group: Any,
         buf: Buffer,
         send_counts: Sequence[int],
         out: Buffer,
@@ -197,7 +200,7 @@ class Backend(ABC):
         """Like alltoall with ``send_counts[j]`` rows to member j, ``recv_counts[i]`` from i."""
 
     @abstractmethod
-    def start_barrier(self, group: Group) -> Request:
+    def start_barrier(self, group: Any) -> Request:
         """Complete once every member has started its barrier."""
 
     # Completion.

@@ -165,16 +165,16 @@ class GlooBackend(Backend):
         self._allreduce_opts = {}
         for op, r in red.items():
             opts = dist.AllreduceOptions()
-            opts.reduceOp = r
+            opts.reduceOp = r  # type: ignore[assignment]
             self._allreduce_opts[op] = opts
         self._world = self._make(f"world/{bootstrap.size}", bootstrap.rank, bootstrap.size)
 
     def _make(self, tag: str, rank: int, size: int) -> _GlooGroup:
-        opts = self._PG._Options()
+        opts = self._PG._Options()  # type: ignore[attr-defined]
         opts._devices = [self._PG.create_device(hostname=self._host, lazy_init=True)]
         opts._threads = 2
         opts._timeout = self._timeout
-        store = self._dist.PrefixStore(f"mcrdl/{tag}", self._store)
+        store = self._dist.PrefixStore(f"mcrdl/{tag}", self._store)  # type: ignore[attr-defined]
         return _GlooGroup(self._PG(store, rank, size, opts), rank, size)
 
     # -- groups --------------------------------------------------------------------------
@@ -219,7 +219,7 @@ class GlooBackend(Backend):
 
     def start_reduce(self, group: _GlooGroup, buf: Buffer, root: int, op: ReduceOp) -> Request:
         opts = self._dist.ReduceOptions()
-        opts.reduceOp = self._red[op]
+        opts.reduceOp = self._red[op]  # type: ignore[assignment]
         opts.rootRank = root
         t = buf.torch()
         return group.pg.reduce([t if group.rank == root else t.clone()], opts)
@@ -253,7 +253,7 @@ class GlooBackend(Backend):
             out.torch().copy_(buf.torch())
             return None
         opts = self._dist.ReduceScatterOptions()
-        opts.reduceOp = self._red[op]
+        opts.reduceOp = self._red[op]  # type: ignore[assignment]
         return self._waiters.submit(group.pg._reduce_scatter_base(out.torch(), buf.torch(), opts))
 
     def start_alltoall(self, group: _GlooGroup, buf: Buffer, out: Buffer) -> Request:

@@ -59,16 +59,17 @@ def sim_capabilities(semantics: str) -> Capabilities:
 def reduce_stack(stack: np.ndarray, op: ReduceOp) -> np.ndarray:
     """Members' buffers (along axis 0) reduced with mcrdl's semantics, in rank order."""
     if stack.dtype == np.bool_:
-        return stack.any(axis=0) if op in (ReduceOp.SUM, ReduceOp.MAX) else stack.all(axis=0)
+        either = stack.any(axis=0) if op in (ReduceOp.SUM, ReduceOp.MAX) else stack.all(axis=0)
+        return np.asarray(either)
     with np.errstate(over="ignore"):
         if op is ReduceOp.SUM:
-            return np.add.reduce(stack, axis=0, dtype=stack.dtype)
+            return np.asarray(np.add.reduce(stack, axis=0, dtype=stack.dtype))
         if op is ReduceOp.PROD:
-            return np.multiply.reduce(stack, axis=0, dtype=stack.dtype)
+            return np.asarray(np.multiply.reduce(stack, axis=0, dtype=stack.dtype))
     if op is ReduceOp.MIN:
-        return stack.min(axis=0)
+        return np.asarray(stack.min(axis=0))
     if op is ReduceOp.MAX:
-        return stack.max(axis=0)
+        return np.asarray(stack.max(axis=0))
     raise ValueError(f"the sim backend reduces natively with SUM, PROD, MIN, MAX; got {op}")
 
 

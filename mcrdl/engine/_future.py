@@ -56,6 +56,11 @@ class CommFuture:
         "nbytes",
     )
 
+    # Set when they come to exist (see __init__).
+    _error: BaseException | None
+    _request: Any
+    t_done: float
+
     def __init__(
         self,
         engine: Engine,
@@ -118,7 +123,7 @@ class CommFuture:
         if state == DONE:
             return self._result
         if state > DONE:
-            raise self._error  # type: ignore[misc]
+            raise self._error  # type: ignore[misc]  # set whenever state > DONE
         raise InvalidStateError(f"{self!r} has not finished; use wait() or await it")
 
     def exception(self) -> BaseException | None:
@@ -142,7 +147,7 @@ class CommFuture:
         if callbacks is None:
             fn(self)
         elif callbacks:
-            callbacks.append(fn)  # type: ignore[union-attr]
+            callbacks.append(fn)
         else:
             self._callbacks = [fn]
 

@@ -68,7 +68,8 @@ class HazardIndex:
 
     def __len__(self) -> int:
         n = 0
-        for region in self._regions.values():
+        for head in self._regions.values():
+            region: _Region | None = head
             while region is not None:
                 n += 1
                 region = region.other
@@ -112,7 +113,7 @@ class HazardIndex:
 
     def _region(self, start: int, stop: int) -> _Region:
         head = self._regions.get(start)
-        region = head
+        region: _Region | None = head
         while region is not None and region.stop != stop:
             region = region.other
         if region is None:

@@ -261,7 +261,7 @@ class Engine:
 
     def _issue(self, fut: CommFuture) -> None:
         try:
-            req = fut._start(*fut._args)
+            req = fut._start(*fut._args)  # type: ignore[misc]  # both set until issued
         except Exception as exc:  # a backend refusing at start fails the future, not the process
             lane = fut.lane
             err = BackendError(f"{fut.kind}#{fut.seq} on {lane.backend_name} failed to start: {exc}")

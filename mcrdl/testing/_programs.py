@@ -314,7 +314,7 @@ def programs(
         nslots = draw(st.integers(2, 4))
         slots = tuple((draw(st.sampled_from(list(dtypes))), slot_length) for _ in range(nslots))
         prog = Program(size, tuple(splits), slots, (), backends=tuple(backends))
-        choices = list(backends) + ([None] if auto else [])  # type: ignore[list-item]
+        choices: list[str | None] = [*backends, *([None] if auto else [])]
         steps: list[Step] = []
         for i in range(draw(st.integers(1, max_steps))):
             comm = draw(st.sampled_from(groups))

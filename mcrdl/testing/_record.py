@@ -77,7 +77,8 @@ class Recording:
             data = json.load(fh)
         if data.get("format") != _FORMAT:
             raise ValueError(f"{path} is not an mcrdl recording of format {_FORMAT}")
-        ops = [Recorded(**{k: tuple(v) if isinstance(v, list) else v for k, v in op.items()})
+        ops = [Recorded(**{k: tuple(v) if isinstance(v, list) else v  # type: ignore[arg-type]
+                           for k, v in op.items()})
                for op in data["ops"]]
         return cls(data["size"], data["rank"], ops)
 

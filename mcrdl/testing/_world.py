@@ -452,7 +452,7 @@ def _unblocked(caps: Any) -> Any:
 
 
 def _np(buf: Any) -> np.ndarray:
-    return buf.numpy().reshape(-1)
+    return np.asarray(buf.numpy()).reshape(-1)
 
 
 def _execute(op: SimOp) -> None:

@@ -111,7 +111,8 @@ class _Raw:
 
         if "gloo" in comm.backends:
             if not dist.is_initialized():
-                store = dist.PrefixStore("mcrdl/bench/raw", comm.runtime.bootstrap.store())
+                store = dist.PrefixStore(  # type: ignore[attr-defined]
+                    "mcrdl/bench/raw", comm.runtime.bootstrap.store())
                 dist.init_process_group("gloo", store=store, rank=comm.rank,
                                         world_size=comm.size)
             self.dist = dist
