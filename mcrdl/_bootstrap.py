@@ -69,7 +69,6 @@ class Bootstrap:
         self.timeout = config.timeout or 1800.0
         self._store: Any = None
         self._mpi_comm: Any = None
-        self.peer_failed = False
         #: Called (from a signal handler: flag-setting only) when a peer process dies.
         self.on_peer_failure: list[Any] = []
         if self.launcher == "mpi":
@@ -112,14 +111,8 @@ class Bootstrap:
         signal.signal(signal.SIGUSR1, self._peer_failed)
 
     def _peer_failed(self, signum: int, frame: Any) -> None:
-        self.peer_failed = True
         for callback in list(self.on_peer_failure):
             callback("a peer process died (the MPI launcher signalled SIGUSR1)")
-
-    @property
-    def mpi_comm(self) -> Any:
-        """A private duplicate of MPI_COMM_WORLD (None when MPI did not launch us)."""
-        return self._mpi_comm
 
     def store(self) -> Any:
         """A torch.distributed Store shared by all ranks, made on first use (collective)."""

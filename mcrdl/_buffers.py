@@ -2,8 +2,8 @@
 
 A `Buffer` wraps the caller's object without copying it. It knows the element type, the shape,
 and the byte range the object occupies (the engine's hazard tracking orders operations that
-touch overlapping ranges). Backends ask it for the view they speak: ``numpy()`` for mpi4py,
-``torch()`` for torch.distributed. Nothing is ever converted behind the caller's back: a buffer
+touch overlapping ranges). Backends take what they speak from it: the address and length
+(the mpi backend), ``torch()`` (gloo) or ``numpy()``. Nothing is ever converted behind the caller's back: a buffer
 that a backend cannot use as it is (non-contiguous, on another device, read-only where it must be
 written) is refused with a message that says what to pass instead.
 
@@ -20,7 +20,7 @@ import numpy as np
 
 from ._types import DType
 
-__all__ = ["Buffer", "as_buffer", "dtype_of_torch", "new_buffer"]
+__all__ = ["Buffer", "as_buffer", "new_buffer"]
 
 _NUMPY_DTYPES: dict[np.dtype[Any], DType] = {
     np.dtype(name): dt for dt in DType if (name := dt.value) != "bfloat16"
@@ -51,13 +51,6 @@ def _torch_tensor_type() -> type | None:
                 _torch_tables()
             _tensor_type = torch.Tensor
     return _tensor_type
-
-
-def dtype_of_torch(tdtype: Any) -> DType | None:
-    """The DType of a torch dtype, or None for one mcrdl does not carry (complex32, float8...)."""
-    if not _TORCH_DTYPES:
-        _torch_tables()
-    return _TORCH_DTYPES.get(tdtype)
 
 
 class Buffer(tuple):  # type: ignore[type-arg]
@@ -110,10 +103,6 @@ class Buffer(tuple):  # type: ignore[type-arg]
         import torch
 
         return torch.from_numpy(self[0])
-
-    def rows(self) -> int:
-        """Length of dim 0 (the dimension that gather, scatter and alltoall split)."""
-        return int(self[0].shape[0])
 
     def row_elems(self) -> int:
         """Elements per dim-0 row."""

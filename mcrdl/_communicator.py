@@ -221,7 +221,7 @@ class Communicator:
         return rows
 
     def _out(
-        self, kind: OpKind, out: Any, b: Buffer, shape: tuple[int, ...], *, alias_ok: bool = False
+        self, kind: OpKind, out: Any, b: Buffer, shape: tuple[int, ...]
     ) -> Buffer:
         """Check a caller's ``out`` (or allocate one) for a result of ``shape``."""
         if out is None:
@@ -236,7 +236,7 @@ class Communicator:
                 f"out has shape {tuple(o.shape)}; {kind.value} of buf with shape "
                 f"{tuple(b.shape)} on {self.size} ranks needs {shape}"
             )
-        if not alias_ok and o.nbytes and b.nbytes and o.start < b.stop and b.start < o.stop:
+        if o.nbytes and b.nbytes and o.start < b.stop and b.start < o.stop:
             raise ValueError(
                 f"out overlaps buf; {kind.value} cannot run in place: pass a separate out"
             )
@@ -580,7 +580,7 @@ class Communicator:
         members = sorted(
             (r for r in range(self.size) if table[r, 0] == color), key=lambda r: (table[r, 1], r)
         )
-        return self._runtime.make_communicator(self, f"{self.name}.{n}c{color}", members, n)
+        return self._runtime.make_communicator(self, f"{self.name}.{n}c{color}", members)
 
     def close(self) -> None:
         """Wait for this communicator's operations, then release its backend groups.

@@ -95,11 +95,6 @@ class Runtime:
                 world_group, list(range(world_group.size)), "world#debug")
         self.world = self._communicator("world", worlds, debug_group)
 
-    @property
-    def backend_names(self) -> tuple[str, ...]:
-        """The backends this runtime brought up, in auto's preference order."""
-        return self.selector.preference
-
     def backend(self, name: str) -> Backend:
         """The backend object ``name`` (for benchmarks and tools; users pass names)."""
         try:
@@ -158,7 +153,7 @@ class Runtime:
         return next((n for n in DEFAULT_PREFERENCE if n in names), names[0])
 
     def make_communicator(
-        self, parent: Communicator, name: str, members: Sequence[int], n: int
+        self, parent: Communicator, name: str, members: Sequence[int]
     ) -> Communicator:
         """The sub-communicator ``name`` of ``members`` of ``parent`` (called by members only)."""
         groups = {}
@@ -185,7 +180,6 @@ class Runtime:
                     pass
         with self.engine.lock:
             for slot in comm.slots():
-                slot.lane.closed = True
                 slot.backend.free_group(slot.group)
         self._comms.remove(comm)
 

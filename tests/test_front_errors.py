@@ -237,7 +237,7 @@ def test_waiting_on_a_future_of_a_finalized_runtime(backends):
 def test_op_on_a_closed_sub_communicator(backends):
     allow_started(backends)
     runtime = Runtime(Config(progress_thread=False), None, backends)
-    sub = runtime.make_communicator(runtime.world, "world.1c0", [0, 1, 2, 3], 1)
+    sub = runtime.make_communicator(runtime.world, "world.1c0", [0, 1, 2, 3])
     sub.close()
     with pytest.raises(CommClosedError, match=r"^cannot barrier on <Communicator world.1c0 "
                                               r"rank=1/4 backends=mpi,gloo closed>: the "

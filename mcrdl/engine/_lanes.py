@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ._states import PENDING, STATE_NAMES
+
 if TYPE_CHECKING:
     from ..backends import Backend
     from ._future import CommFuture
@@ -50,7 +52,6 @@ class Lane:
         "size",
         "pending",
         "history",
-        "closed",
         "track",
         "blocking",
     )
@@ -66,7 +67,6 @@ class Lane:
         # Plain tuples in OpRecord's field order (a NamedTuple costs 0.4 µs more per op);
         # the state is the future's state number.
         self.history: deque[tuple[Any, ...]] = deque(maxlen=HISTORY)
-        self.closed = False
         #: The engine's in-flight record of this lane's backend (set by the engine).
         self.track: Any = None
         #: Whether a lone request of this lane may be waited on in the backend (``block``).
@@ -74,8 +74,6 @@ class Lane:
 
     def records(self) -> list[OpRecord]:
         """The flight record: the last finished operations of this lane, oldest first."""
-        from ._future import STATE_NAMES
-
         return [OpRecord(k, s, STATE_NAMES[st], n, a, b, c, d)
                 for k, s, st, n, a, b, c, d in self.history]
 
@@ -86,18 +84,17 @@ class Lane:
         )
 
 
-def _line(kind: str, seq: int, state: str, nbytes: int, t_submit: float, t_issue: float,
-          t_done: float, detail: str, now: float) -> str:
-    issued = f"issued {now - t_issue:9.6f}s ago" if t_issue else "not issued"
-    done = f"finished after {t_done - t_submit:.6f}s" if t_done else f"age {now - t_submit:.6f}s"
-    extra = f" {detail}" if detail else ""
-    return f"    {kind + '#' + str(seq):<22} {state:<9} {nbytes:>12} B  {issued}  {done}{extra}"
+def _line(rec: OpRecord, now: float) -> str:
+    issued = f"issued {now - rec.t_issue:9.6f}s ago" if rec.t_issue else "not issued"
+    done = (f"finished after {rec.t_done - rec.t_submit:.6f}s" if rec.t_done
+            else f"age {now - rec.t_submit:.6f}s")
+    extra = f" {rec.detail}" if rec.detail else ""
+    name = f"{rec.kind}#{rec.seq}"
+    return f"    {name:<22} {rec.state:<9} {rec.nbytes:>12} B  {issued}  {done}{extra}"
 
 
 def flight_record(engine: Any, now: float | None = None) -> str:
     """The flight recorder: per lane, its last finished operations and all unfinished ones."""
-    from ._future import STATE_NAMES
-
     if now is None:
         now = engine._clock()
     unfinished: dict[Lane, list[Any]] = {}
@@ -107,14 +104,14 @@ def flight_record(engine: Any, now: float | None = None) -> str:
     lines = ["mcrdl flight recorder (oldest first; times relative to now)"]
     for lane in engine._lanes.values():
         live = sorted(unfinished.get(lane, []), key=lambda f: f.t_submit)
-        live.extend(f for f in lane.pending if f._state == 0)
+        live.extend(f for f in lane.pending if f._state == PENDING)
         if not live and not lane.history:
             continue
         lines.append(f"  lane {lane.backend_name}:{lane.comm_name} rank {lane.rank}/{lane.size}")
-        for kind, seq, state, nbytes, t_submit, t_issue, t_done, detail in lane.history:
-            lines.append(_line(kind, seq, STATE_NAMES[state], nbytes, t_submit, t_issue, t_done,
-                               detail, now))
+        for rec in lane.records():
+            lines.append(_line(rec, now))
         for f in live:
-            lines.append(_line(f.kind, f.seq, STATE_NAMES[f._state], f.nbytes, f.t_submit,
-                               f.t_issue, 0.0, "", now))
+            rec = OpRecord(f.kind, f.seq, STATE_NAMES[f._state], f.nbytes, f.t_submit,
+                           f.t_issue, 0.0, "")
+            lines.append(_line(rec, now))
     return "\n".join(lines)

@@ -269,11 +269,10 @@ class Engine:
             self._work.append((fut, err))
             return
         fut.t_issue = self._clock()
-        if req is None:
-            fut._state = ISSUED
+        fut._state = ISSUED
+        if req is None:  # finished during the start call
             self._work.append((fut, None))
             return
-        fut._state = ISSUED
         fut._request = req
         fut.lane.track.add(fut, req)
 
