@@ -1,4 +1,4 @@
-"""The package type-checks (mypy strict) and lints (ruff), as the project's style asks."""
+"""The package type-checks (mypy strict) and the whole tree lints (ruff), as the style asks."""
 
 from __future__ import annotations
 
@@ -25,6 +25,6 @@ def test_mypy_strict():
 
 
 def test_ruff():
-    proc = subprocess.run([_tool("ruff"), "check", "mcrdl"], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([_tool("ruff"), "check", "."], cwd=ROOT, capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stdout[-4000:]

@@ -60,7 +60,7 @@ def test_with_statement_finalizes():
 
 
 def test_init_twice_is_refused_and_reinit_after_finalize_works():
-    comm = mcrdl.init()
+    mcrdl.init()
     try:
         with pytest.raises(MCRDLError, match=r"^mcrdl is initialized already"):
             mcrdl.init()

@@ -144,6 +144,7 @@ def test_mixed_chain_gloo_mpi_gloo(comm):
     f3 = comm.broadcast(out, root=n - 1, backend="gloo")
     f4 = comm.allreduce(x, ReduceOp.MAX, backend="mpi")  # x is read by f2: must wait for it
     assert f3.wait() is out and f4.wait() is x
+    assert f1.done() and f2.done()  # a dependent finishes only after what it waited for
     # sequential reference
     xs = [np.arange(4 * n, dtype=np.float32) + r for r in range(n)]
     summed = np.sum(xs, axis=0)
