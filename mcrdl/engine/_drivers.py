@@ -14,8 +14,8 @@ Idling is adaptive, because on 2 cores spinning starves gloo's own threads (0.2 
 when no self-progressing backend is in flight and the node is not oversubscribed, then
 ``os.sched_yield()`` between polls, then sleep for a small fraction of the time waited so far
 (so a long wait overshoots by a few per cent at most) -- but never sleep while MPI work is in
-flight: its data moves only inside polls, and sleeping doubled a 64 MiB allreduce. ``asyncio.sleep`` was rejected as
-back-off: its timer resolution made 4 ms steps. ``benchmarks/overhead.py`` measures the result.
+flight: its data moves only inside polls, and sleeping doubled a 64 MiB allreduce.
+``asyncio.sleep`` was rejected as back-off: its timer resolution made 4 ms steps. ``benchmarks/overhead.py`` measures the result.
 """
 
 from __future__ import annotations
@@ -71,6 +71,20 @@ class PollPolicy:
     deep_idle: float = 0.1
     oversubscribed: bool = False
 
+    @property
+    def patience(self) -> float:
+        """Seconds a waiter yields between polls before it may sleep or block.
+
+        With only self-progressing work (gloo) in flight, yielding polls find a short
+        operation soonest; on an oversubscribed node they take the CPU its threads need
+        (7.6 ms against 3.4 ms for a blocking wait, 4 ranks on 2 cores): no patience there.
+        """
+        return 0.0 if self.oversubscribed else self.yield_seconds
+
+    def nap(self, waited: float) -> float:
+        """How long a waiter that has waited ``waited`` seconds sleeps before its next poll."""
+        return min(self.sleep_max, max(waited, 1e-4) * self.sleep_fraction)
+
 
 def wait(engine: Engine, fut: CommFuture, timeout: float | None) -> None:
     """Poll from the calling thread until ``fut`` is done or ``timeout`` seconds passed."""
@@ -89,10 +103,7 @@ def wait(engine: Engine, fut: CommFuture, timeout: float | None) -> None:
         t0 = _clock()
         deadline = None if timeout is None else t0 + timeout
         spin = policy.spin_polls if engine.spin_ok() else 0
-        # With only self-progressing work (gloo) in flight, yielding polls find a short
-        # operation soonest; on an oversubscribed node they take the CPU its threads need
-        # (7.6 ms against 3.4 ms for a blocking wait, 4 ranks on 2 cores): block or sleep.
-        patience = 0.0 if policy.oversubscribed else policy.yield_seconds
+        patience = policy.patience
         idle = 0
         while fut._state < DONE:
             if poll():
@@ -119,7 +130,7 @@ def wait(engine: Engine, fut: CommFuture, timeout: float | None) -> None:
             elif fut._state == ISSUED and engine._unfinished == 1 and fut.lane.blocking:
                 _block(engine, fut, deadline)
             else:
-                _sleep(min(policy.sleep_max, max(waited, 1e-4) * policy.sleep_fraction))
+                _sleep(policy.nap(waited))
     finally:
         # The background thread is not woken here: it naps background_max at a time and
         # finds the work itself. Waking it on every exit made a waiter of N futures pay N
@@ -168,7 +179,7 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
     """
     poll = engine.poll_once
     policy = engine.policy
-    patience = 0.0 if policy.oversubscribed else policy.yield_seconds
+    patience = policy.patience
     engine.drivers += 1
     try:
         if engine.spin_ok():
@@ -186,8 +197,7 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
                 if engine.has_background:
                     break
                 # Nobody to hand the wait to: sleep in the loop instead of spinning it.
-                yield from asyncio.sleep(
-                    min(policy.sleep_max, max(waited, 1e-4) * policy.sleep_fraction)).__await__()
+                yield from asyncio.sleep(policy.nap(waited)).__await__()
                 continue
             _sched_yield()
             yield  # one event-loop iteration for the other tasks

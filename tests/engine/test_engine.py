@@ -363,3 +363,14 @@ def test_many_in_flight_finishing_out_of_order_are_all_found(engine, mpi):
         polls += 1
         assert polls < 100
     assert engine.stats().in_flight == 0
+
+
+def test_poll_policy_idling_is_derived_from_its_settings():
+    from mcrdl.engine import PollPolicy
+
+    policy = PollPolicy(yield_seconds=5e-3, sleep_fraction=1 / 32, sleep_max=1e-3)
+    assert policy.patience == 5e-3
+    assert PollPolicy(oversubscribed=True).patience == 0.0  # never yield-poll oversubscribed
+    assert policy.nap(0.0) == 1e-4 / 32  # a fresh wait naps a floor, not zero
+    assert policy.nap(0.016) == 0.016 / 32  # a fraction of the time waited so far...
+    assert policy.nap(10.0) == 1e-3  # ...capped at sleep_max
