@@ -291,10 +291,24 @@ def test_dependant_of_failed_op_fails(comm):
     comm.barrier().wait()
 
 
-def test_engine_stats_are_consistent(comm):
-    s = comm.runtime.engine.stats()
-    assert s.submitted == s.completed + s.failed + s.cancelled + s.pending + s.in_flight
-    assert isinstance(s, mcrdl.EngineStats)
+def test_engine_stats_count_every_operation_once(comm):
+    """k operations on both backends, waited: each counted once as submitted, issued, completed."""
+    engine = comm.runtime.engine
+    before = engine.stats()
+    x = torch.ones(64)
+    futs = [comm.allreduce(x, backend="gloo"), comm.allreduce(x, backend="mpi"),
+            comm.broadcast(torch.ones(3), root=0, backend="mpi"), comm.barrier(backend="gloo")]
+    for f in futs:
+        f.wait()
+    after = engine.stats()
+    assert isinstance(after, mcrdl.EngineStats)
+    k = len(futs)
+    assert after.submitted - before.submitted == k
+    assert after.issued - before.issued == k
+    assert after.completed - before.completed == k
+    assert (after.failed, after.cancelled) == (before.failed, before.cancelled)
+    assert (after.pending, after.in_flight) == (0, 0)
+    assert after.polls > before.polls
 
 
 def test_large_allreduces_in_segments_stay_matched(comm):
