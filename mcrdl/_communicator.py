@@ -226,15 +226,21 @@ class Communicator:
         """Check a caller's ``out`` (or allocate one) for a result of ``shape``."""
         if out is None:
             return new_buffer(b.empty(shape), b.is_torch, b.dtype)
-        o = as_buffer(out, "out", True)
-        if o.dtype is not b.dtype:
-            raise TypeError(
-                f"out has dtype {o.dtype.value} but buf has {b.dtype.value}; they must match"
-            )
+        o = self._given_out(kind, out, b)
         if tuple(o.shape) != shape:
             raise ValueError(
                 f"out has shape {tuple(o.shape)}; {kind.value} of buf with shape "
                 f"{tuple(b.shape)} on {self.size} ranks needs {shape}"
+            )
+        return o
+
+    @staticmethod
+    def _given_out(kind: OpKind, out: Any, b: Buffer) -> Buffer:
+        """A caller's ``out``, checked for what does not depend on its shape."""
+        o = as_buffer(out, "out", True)
+        if o.dtype is not b.dtype:
+            raise TypeError(
+                f"out has dtype {o.dtype.value} but buf has {b.dtype.value}; they must match"
             )
         if o.nbytes and b.nbytes and o.start < b.stop and b.start < o.stop:
             raise ValueError(
@@ -507,14 +513,10 @@ class Communicator:
         self, b: Buffer, send: tuple[int, ...], tail: tuple[int, ...], out: Any,
         backend: str | None, after: Sequence[CommFuture],
     ) -> CommFuture:
-        o_given = None if out is None else as_buffer(out, "out", True)
-        if o_given is not None:
-            if o_given.dtype is not b.dtype:
-                raise TypeError(f"out has dtype {o_given.dtype.value} but buf has "
-                                f"{b.dtype.value}; they must match")
-            if tuple(o_given.shape[1:]) != tail:
-                raise ValueError(f"out has shape {tuple(o_given.shape)}; alltoallv of buf with "
-                                 f"shape {tuple(b.shape)} needs (sum(recv_counts), *{tail})")
+        o_given = None if out is None else self._given_out(OpKind.ALLTOALLV, out, b)
+        if o_given is not None and tuple(o_given.shape[1:]) != tail:
+            raise ValueError(f"out has shape {tuple(o_given.shape)}; alltoallv of buf with "
+                             f"shape {tuple(b.shape)} needs (sum(recv_counts), *{tail})")
         slot, _ = self._choose(OpKind.ALLTOALLV, b.dtype, None,
                                self._global_alltoallv_bytes(b, backend), backend)
         counts_slot, _ = self._choose(OpKind.ALLTOALL, DType.INT64, None, 8 * self.size,

@@ -162,6 +162,19 @@ def test_wrong_out(comm):
     with pytest.raises(ValueError, match=exact(
             "out overlaps buf; alltoall cannot run in place: pass a separate out")):
         comm.alltoall(t, out=t)
+    # alltoallv learns its out's rows from the peers, but checks the rest before anything runs
+    with pytest.raises(TypeError, match=exact(
+            "out has dtype float64 but buf has float32; they must match")):
+        comm.alltoallv(t, [1, 1, 1, 1], out=torch.empty(4, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match=exact(
+            "out has shape (4, 2); alltoallv of buf with shape (4, 3) needs "
+            "(sum(recv_counts), *(3,))")):
+        comm.alltoallv(t, [1, 1, 1, 1], out=torch.empty(4, 2))
+    for recv_counts in ([1, 1, 1, 1], None):
+        with pytest.raises(ValueError, match=exact(
+                "out overlaps buf; alltoallv cannot run in place: pass a separate out")):
+            comm.alltoallv(t, [1, 1, 1, 1], recv_counts, out=t)
+    assert comm.runtime.engine.stats().submitted == 0  # nothing was submitted
 
 
 def test_read_only_receive_buffer(comm):
