@@ -78,7 +78,7 @@ class Buffer(tuple):  # type: ignore[type-arg]
     @property
     def stop(self) -> int:
         """One past the last byte."""
-        return int(self[3] + self[2])
+        return self[3] + self[2]  # type: ignore[no-any-return]
 
     @property
     def shape(self) -> tuple[int, ...]:

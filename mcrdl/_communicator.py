@@ -27,12 +27,17 @@ __all__ = ["Communicator"]
 _SUM = ReduceOp.SUM
 _AVG = ReduceOp.AVG
 _ALLREDUCE = OpKind.ALLREDUCE
+_ALLGATHER = OpKind.ALLGATHER
+_ALLTOALL = OpKind.ALLTOALL
+_BROADCAST = OpKind.BROADCAST
 _NO_RANGES: tuple[tuple[int, int], ...] = ()
 _MAX_TAG = 32767  # the largest tag every MPI library must accept (MPI_TAG_UB >= 32767)
 
 
 def _ranges(b: Buffer) -> tuple[tuple[int, int], ...]:
-    return ((b.start, b.stop),) if b.nbytes and not b.fresh else _NO_RANGES
+    # Indexed, not through the properties: this runs once or twice per operation.
+    n = b[2]
+    return ((b[3], b[3] + n),) if n and not b[5] else _NO_RANGES
 
 
 def _check_op(op: Any) -> ReduceOp:
@@ -220,17 +225,15 @@ class Communicator:
             )
         return rows
 
-    def _out(
-        self, kind: OpKind, out: Any, b: Buffer, shape: tuple[int, ...]
-    ) -> Buffer:
+    def _out(self, kind: OpKind, out: Any, b: Buffer, shape: tuple[int, ...]) -> Buffer:
         """Check a caller's ``out`` (or allocate one) for a result of ``shape``."""
         if out is None:
-            return new_buffer(b.empty(shape), b.is_torch, b.dtype)
+            return new_buffer(b.empty(shape), b[4], b[1])
         o = self._given_out(kind, out, b)
-        if tuple(o.shape) != shape:
+        if o[0].shape != shape:  # torch.Size and numpy shapes compare equal to tuples
             raise ValueError(
                 f"out has shape {tuple(o.shape)}; {kind.value} of buf with shape "
-                f"{tuple(b.shape)} on {self.size} ranks needs {shape}"
+                f"{tuple(b.shape)} on {self.size} ranks needs {tuple(shape)}"
             )
         return o
 
@@ -238,11 +241,11 @@ class Communicator:
     def _given_out(kind: OpKind, out: Any, b: Buffer) -> Buffer:
         """A caller's ``out``, checked for what does not depend on its shape."""
         o = as_buffer(out, "out", True)
-        if o.dtype is not b.dtype:
+        if o[1] is not b[1]:
             raise TypeError(
                 f"out has dtype {o.dtype.value} but buf has {b.dtype.value}; they must match"
             )
-        if o.nbytes and b.nbytes and o.start < b.stop and b.start < o.stop:
+        if o[2] and b[2] and o[3] < b[3] + b[2] and b[3] < o[3] + o[2]:
             raise ValueError(
                 f"out overlaps buf; {kind.value} cannot run in place: pass a separate out"
             )
@@ -293,12 +296,21 @@ class Communicator:
     ) -> CommFuture:
         """Copy ``root``'s ``buf`` into every member's ``buf``; resolves to ``buf``."""
         b = as_buffer(buf, "buf", True)
-        root = self._rank_arg("root", root)
-        slot, _ = self._choose(OpKind.BROADCAST, b.dtype, None, b.nbytes, backend)
-        r = _ranges(b)
+        if type(root) is not int or not 0 <= root < self.size:
+            root = self._rank_arg("root", root)
+        n = b[2]
+        choice = self._choice_cache.get((_BROADCAST, b[1], None, backend))
+        if type(choice) is not tuple:
+            choice = self._choose(_BROADCAST, b[1], None, n, backend)
+        slot = choice[0]
+        r = ((b[3], b[3] + n),) if n else _NO_RANGES
         reads, writes = (r, _NO_RANGES) if root == self.rank else (_NO_RANGES, r)
-        return self._submit(OpKind.BROADCAST, slot, slot.backend.start_broadcast,
-                            (slot.group, b, root), reads, writes, buf, None, after, b.nbytes)
+        if self._debug is not None:
+            return self._submit(_BROADCAST, slot, slot.backend.start_broadcast,
+                                (slot.group, b, root), reads, writes, buf, None, after, n)
+        self._seq = seq = self._seq + 1
+        return self._engine.submit("broadcast", slot.lane, seq, slot.backend.start_broadcast,
+                                   (slot.group, b, root), reads, writes, buf, None, after, n)
 
     def reduce(
         self, buf: Any, root: int = 0, op: ReduceOp = _SUM, *, backend: str | None = None,
@@ -376,14 +388,24 @@ class Communicator:
     ) -> CommFuture:
         """Concatenate members' ``buf`` along dim 0 on every member; resolves to ``out``."""
         b = as_buffer(buf, "buf")
-        if not b.shape:
+        shape = b[0].shape
+        if not shape:
             raise ValueError("allgather concatenates along dim 0, but buf is 0-dimensional; "
                              "pass buf.reshape(1)")
-        slot, _ = self._choose(OpKind.ALLGATHER, b.dtype, None, b.nbytes * self.size, backend)
-        o = self._out(OpKind.ALLGATHER, out, b, (b.shape[0] * self.size, *b.shape[1:]))
-        return self._submit(OpKind.ALLGATHER, slot, slot.backend.start_allgather,
-                            (slot.group, b, o), _ranges(b), _ranges(o), o.obj, None, after,
-                            b.nbytes)
+        size = self.size
+        choice = self._choice_cache.get((_ALLGATHER, b[1], None, backend))
+        if type(choice) is not tuple:
+            choice = self._choose(_ALLGATHER, b[1], None, b[2] * size, backend)
+        slot = choice[0]
+        o = self._out(_ALLGATHER, out, b, (shape[0] * size, *shape[1:]))
+        if self._debug is not None:
+            return self._submit(_ALLGATHER, slot, slot.backend.start_allgather,
+                                (slot.group, b, o), _ranges(b), _ranges(o), o[0], None, after,
+                                b[2])
+        self._seq = seq = self._seq + 1
+        return self._engine.submit("allgather", slot.lane, seq, slot.backend.start_allgather,
+                                   (slot.group, b, o), _ranges(b), _ranges(o), o[0], None,
+                                   after, b[2])
 
     def scatter(
         self, buf: Any, root: int = 0, out: Any = None, *, backend: str | None = None,
@@ -438,12 +460,22 @@ class Communicator:
     ) -> CommFuture:
         """Chunk j of this rank's ``buf`` (along dim 0) goes to rank j; resolves to ``out``."""
         b = as_buffer(buf, "buf")
-        self._rows(OpKind.ALLTOALL, b)
-        slot, _ = self._choose(OpKind.ALLTOALL, b.dtype, None, b.nbytes, backend)
-        o = self._out(OpKind.ALLTOALL, out, b, tuple(b.shape))
-        return self._submit(OpKind.ALLTOALL, slot, slot.backend.start_alltoall,
-                            (slot.group, b, o), _ranges(b), _ranges(o), o.obj, None, after,
-                            b.nbytes)
+        shape = b[0].shape
+        if not shape or shape[0] % self.size:
+            self._rows(_ALLTOALL, b)  # raises, naming the shape
+        choice = self._choice_cache.get((_ALLTOALL, b[1], None, backend))
+        if type(choice) is not tuple:
+            choice = self._choose(_ALLTOALL, b[1], None, b[2], backend)
+        slot = choice[0]
+        o = self._out(_ALLTOALL, out, b, shape)
+        if self._debug is not None:
+            return self._submit(_ALLTOALL, slot, slot.backend.start_alltoall,
+                                (slot.group, b, o), _ranges(b), _ranges(o), o[0], None, after,
+                                b[2])
+        self._seq = seq = self._seq + 1
+        return self._engine.submit("alltoall", slot.lane, seq, slot.backend.start_alltoall,
+                                   (slot.group, b, o), _ranges(b), _ranges(o), o[0], None,
+                                   after, b[2])
 
     def alltoallv(
         self,

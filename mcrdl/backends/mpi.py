@@ -224,6 +224,15 @@ class MPIBackend(Backend):
             return [self._fromaddress(start, nbytes), self._types[dtype]]
         return [obj, self._types[dtype]]
 
+    def _pair(self, buf: Buffer, out: Buffer) -> tuple[list[Any], list[Any]]:
+        """The message specs of an input and an output of the same dtype (one call, not two)."""
+        obj, dtype, nbytes, start, is_torch, _ = buf
+        mpitype = self._types[dtype]
+        send = [self._fromaddress(start, nbytes) if is_torch else obj, mpitype]
+        if out[4]:
+            return send, [self._fromaddress(out[3], out[2]), mpitype]
+        return send, [out[0], mpitype]
+
     def start_send(self, group: _MPIGroup, buf: Buffer, dst: int, tag: int) -> Request:
         return group.comm.Isend(self._msg(buf), dst, tag)
 
@@ -231,7 +240,9 @@ class MPIBackend(Backend):
         return group.comm.Irecv(self._msg(buf), src, tag)
 
     def start_broadcast(self, group: _MPIGroup, buf: Buffer, root: int) -> Request:
-        return group.comm.Ibcast(self._msg(buf), root)
+        obj, dtype, nbytes, start, is_torch, _ = buf
+        return group.comm.Ibcast(
+            [self._fromaddress(start, nbytes) if is_torch else obj, self._types[dtype]], root)
 
     def start_reduce(self, group: _MPIGroup, buf: Buffer, root: int, op: ReduceOp) -> Request:
         if group.rank == root:
@@ -301,7 +312,7 @@ class MPIBackend(Backend):
         return group.comm.Igather(self._msg(buf), recv, root)
 
     def start_allgather(self, group: _MPIGroup, buf: Buffer, out: Buffer) -> Request:
-        return group.comm.Iallgather(self._msg(buf), self._msg(out))
+        return group.comm.Iallgather(*self._pair(buf, out))
 
     def start_scatter(self, group: _MPIGroup, buf: Buffer | None, out: Buffer, root: int) -> Request:
         send = self._msg(buf) if buf is not None else None
@@ -313,7 +324,7 @@ class MPIBackend(Backend):
         return group.comm.Ireduce_scatter_block(self._msg(buf), self._msg(out), self._op(op, buf))
 
     def start_alltoall(self, group: _MPIGroup, buf: Buffer, out: Buffer) -> Request:
-        return group.comm.Ialltoall(self._msg(buf), self._msg(out))
+        return group.comm.Ialltoall(*self._pair(buf, out))
 
     def start_alltoallv(
         self,

@@ -195,7 +195,7 @@ class Engine:
                 self._unindexed = None
                 if last._reads or last._writes:
                     hazards.add(last, last._reads, last._writes)
-            deps = hazards.conflicts(reads, writes) if hazards._starts else None
+            deps = hazards.conflicts(reads, writes) if hazards._regions else None
             if after:
                 deps = self._after_edges(fut, after, deps)
             if deps is None and after:
