@@ -374,3 +374,49 @@ def test_poll_policy_idling_is_derived_from_its_settings():
     assert policy.nap(0.0) == 1e-4 / 32  # a fresh wait naps a floor, not zero
     assert policy.nap(0.016) == 0.016 / 32  # a fraction of the time waited so far...
     assert policy.nap(10.0) == 1e-3  # ...capped at sleep_max
+
+
+def test_hazard_index_orders_every_overlap_through_churn():
+    """Random adds and in-order-of-readiness removals over a small address pool, long enough
+    that dead starts are reused and compacted: every overlapping unfinished access with a
+    write on either side is a dependency, directly or through the dependencies it records."""
+    import random
+
+    from mcrdl.engine._hazards import HazardIndex
+
+    rng = random.Random(7)
+    index = HazardIndex()
+    live: dict[int, tuple[tuple, tuple, set[int]]] = {}  # op -> (reads, writes, deps)
+
+    def ranges() -> tuple[tuple[int, int], ...]:
+        out = []
+        for _ in range(rng.choice((0, 1, 1, 2))):
+            start = rng.randrange(0, 4000, 8)
+            out.append((start, start + rng.choice((8, 16, 64, 256))))
+        return tuple(out)
+
+    def overlap(a, b) -> bool:
+        return any(s < e2 and s2 < e for s, e in a for s2, e2 in b)
+
+    for op in range(6000):
+        if live and (len(live) > 300 or rng.random() < 0.45):
+            ready = [o for o, (_, _, deps) in live.items() if not deps & live.keys()]
+            done = rng.choice(ready)
+            reads, writes, _ = live.pop(done)
+            index.remove(done, reads, writes, True)
+            continue
+        reads, writes = ranges(), ranges()
+        found = set(index.conflicts(reads, writes))
+        must = {o for o, (r, w, _) in live.items()
+                if overlap(writes, r) or overlap(writes, w) or overlap(reads, w)}
+        assert found <= must
+        reach, todo = set(found), list(found)
+        while todo:
+            for dep in live[todo.pop()][2]:
+                if dep in live and dep not in reach:
+                    reach.add(dep)
+                    todo.append(dep)
+        assert must <= reach, (op, must - reach)
+        live[op] = (reads, writes, found)
+        index.add(op, reads, writes)
+    assert len(index._starts) >= len(index._regions)
