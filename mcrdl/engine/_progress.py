@@ -270,6 +270,7 @@ class Engine:
             return
         fut.t_issue = self._clock()
         fut._state = ISSUED
+        fut._start = None  # one object fewer alive per operation in flight
         if req is None:  # finished during the start call
             self._work.append((fut, None))
             return
