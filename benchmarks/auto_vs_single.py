@@ -4,10 +4,11 @@
     mpiexec -n 4 python benchmarks/auto_vs_single.py --sizes 4:4M
 
 First it tunes (the same sweep as ``python -m mcrdl tune``) and writes the table; then it
-brings the runtime up again with that table and times, for every operation and size, auto,
-each backend alone and raw torch.distributed (gloo), round-robin within each iteration so
-that all candidates see the same machine. It prints auto / best single backend and auto /
-torch.distributed per point, and what consulting the table costs per call.
+brings the runtime up again with that table and times, for every operation and size, auto
+against each backend alone and against raw torch.distributed (gloo), one candidate at a time,
+alternating with auto call by call so that both see the same machine. It prints auto / best
+single backend and auto / torch.distributed per point, and what consulting the table costs
+per call.
 """
 
 from __future__ import annotations
@@ -46,38 +47,48 @@ def tune(path: str, ops: list[str], sizes: list[int], budget: float) -> None:
     mcrdl.finalize()
 
 
-def round_robin(comm, calls: dict, cycles: int) -> dict[str, float]:
-    """Seconds per call for each candidate (median over cycles, slowest rank).
+def paired(comm, call_a, call_b, cycles: int) -> tuple[float, float]:
+    """Seconds per call of two candidates timed alternately (median, slowest rank).
 
-    Every cycle calls each candidate once, in a random order (the same on every rank), and
-    times each call: auto and the backend it chose see the same machine moments apart, and
-    no candidate always runs right after gloo's (slow, thread-heavy) one. Fixed orders were
-    rejected: a fixed neighbour made auto look 2x faster than mpi, a rotating one 1.2x slower.
+    Each cycle runs A then B, the next B then A, so neither always follows the other (gloo
+    finishes bookkeeping on its threads after a call returns, and the peer may still be in
+    its previous call). Timing every candidate in one random round robin was rejected: a
+    fast backend's calls then paid for whichever slow gloo call preceded them on the other
+    rank, which spread auto/mpi (the same code path) from 0.76 to 1.14 at small sizes.
     """
     control = comm.runtime.control_backend
-    names = list(calls)
-    for name in names:
-        calls[name]()
-    samples = {name: [] for name in names}
+    call_a()
+    call_b()
+    a, b = [], []
     clock = time.perf_counter
-    rng = np.random.default_rng(len(names) * 1000 + cycles)  # the same orders on every rank
     comm.barrier(backend=control).wait()
-    for _ in range(cycles):
-        for i in rng.permutation(len(names)):
-            name = names[i]
-            t0 = clock()
-            calls[name]()
-            samples[name].append(clock() - t0)
-    out = {}
-    for name in names:
-        med = np.array([statistics.median(samples[name])])
-        comm.allreduce(med, ReduceOp.MAX, backend=control).wait()
-        out[name] = float(med[0])
+    for i in range(cycles):
+        first, second, fa, fb = (call_a, call_b, a, b) if i % 2 == 0 else (call_b, call_a, b, a)
+        t0 = clock()
+        first()
+        t1 = clock()
+        second()
+        t2 = clock()
+        fa.append(t1 - t0)
+        fb.append(t2 - t1)
+    med = np.array([statistics.median(a), statistics.median(b)])
+    comm.allreduce(med, ReduceOp.MAX, backend=control).wait()
+    return float(med[0]), float(med[1])
+
+
+def measure(comm, calls: dict, cycles: int) -> dict[str, float]:
+    """Each candidate's time, paired with auto's; ``auto/<name>`` is the ratio of that pair."""
+    out: dict[str, float] = {}
+    for name in calls:
+        if name == "auto":
+            continue
+        t_auto, t_other = paired(comm, calls["auto"], calls[name], cycles)
+        out[name] = t_other
+        out[f"auto/{name}"] = t_auto / t_other
+    best = min((k for k in out if "/" not in k and k in comm.backends), key=out.get)
+    out["best"] = best  # type: ignore[assignment]
+    out["auto"] = out[f"auto/{best}"] * out[best]
     return out
-
-
-def _ratio(res: dict[str, float], backends: tuple[str, ...]) -> float:
-    return res["auto"] / min(v for k, v in res.items() if k in backends)
 
 
 def main() -> None:
@@ -112,22 +123,23 @@ def main() -> None:
             torch_call = raw.torch_call(op, t, out, ReduceOp.SUM)
             if torch_call is not None:
                 calls["torch"] = torch_call
-            cycles = max(8, int((400 if size <= 4096 else 100 if size <= (1 << 20) else 16)
+            cycles = max(8, int((400 if size <= 4096 else 100 if size <= (1 << 20) else 40)
                                 * args.scale))
-            res = round_robin(comm, calls, cycles)
+            res = measure(comm, calls, cycles)
             # This machine's noise can exceed 3% at a point: re-measure a point whose auto/best
-            # ratio falls outside [0.97, 1.03] twice more and keep the median run (by ratio).
+            # ratio falls outside [0.97, 1.03] up to four more times and keep the median run (by
+            # ratio), never the best one.
             runs = [res]
-            while len(runs) < 3 and not 0.97 <= _ratio(res, comm.backends) <= 1.03:
-                res = round_robin(comm, calls, cycles)
+            while len(runs) < 5 and not 0.97 <= res[f"auto/{res['best']}"] <= 1.03:
+                res = measure(comm, calls, cycles)
                 runs.append(res)
-            res = sorted(runs, key=lambda r: _ratio(r, comm.backends))[len(runs) // 2]
+            res = sorted(runs, key=lambda r: r[f"auto/{r['best']}"])[len(runs) // 2]
             nbytes = _global_bytes(op, elems, 4, n)
             chose = comm.runtime.tuning.lookup(op, "float32", n, nbytes)
-            best = min(v for k, v in res.items() if k in comm.backends)
-            row = {"op": op, "bytes": nbytes, **{k: v * 1e6 for k, v in res.items()},
-                   "chose": chose, "auto_over_best": res["auto"] / best,
-                   "auto_over_torch": res["auto"] / res["torch"] if "torch" in res else None}
+            row = {"op": op, "bytes": nbytes,
+                   **{k: v * 1e6 for k, v in res.items() if "/" not in k and k != "best"},
+                   "chose": chose, "auto_over_best": res[f"auto/{res['best']}"],
+                   "auto_over_torch": res.get("auto/torch")}
             rows.append(row)
             if comm.rank == 0:
                 print(f"{op:<15} {human(nbytes):>6} | {row['auto']:9.1f} {row.get('mpi', 0):9.1f}"
