@@ -30,6 +30,7 @@ _ALLREDUCE = OpKind.ALLREDUCE
 _ALLGATHER = OpKind.ALLGATHER
 _ALLTOALL = OpKind.ALLTOALL
 _BROADCAST = OpKind.BROADCAST
+_REDUCE_SCATTER = OpKind.REDUCE_SCATTER
 _NO_RANGES: tuple[tuple[int, int], ...] = ()
 _MAX_TAG = 32767  # the largest tag every MPI library must accept (MPI_TAG_UB >= 32767)
 
@@ -442,17 +443,29 @@ class Communicator:
     ) -> CommFuture:
         """Reduce members' ``buf``; member i receives chunk i (along dim 0) in ``out``."""
         b = as_buffer(buf, "buf")
-        op = _check_op(op)
-        rows = self._rows(OpKind.REDUCE_SCATTER, b)
-        slot, emulate = self._choose(OpKind.REDUCE_SCATTER, b.dtype, op, b.nbytes, backend)
-        o = self._out(OpKind.REDUCE_SCATTER, out, b, (rows // self.size, *b.shape[1:]))
+        if type(op) is not ReduceOp:
+            op = _check_op(op)
+        shape = b[0].shape
+        size = self.size
+        if not shape or shape[0] % size:
+            self._rows(_REDUCE_SCATTER, b)  # raises, naming the shape
+        choice = self._choice_cache.get((_REDUCE_SCATTER, b[1], op, backend))
+        if type(choice) is not tuple:
+            choice = self._choose(_REDUCE_SCATTER, b[1], op, b[2], backend)
+        slot, emulate = choice
+        o = self._out(_REDUCE_SCATTER, out, b, (shape[0] // size, *shape[1:]))
         finish = None
         if emulate:
             op = _SUM
-            finish = self._avg_finish(o.obj)
-        return self._submit(OpKind.REDUCE_SCATTER, slot, slot.backend.start_reduce_scatter,
-                            (slot.group, b, o, op), _ranges(b), _ranges(o), o.obj, finish,
-                            after, b.nbytes)
+            finish = self._avg_finish(o[0])
+        if self._debug is not None:
+            return self._submit(_REDUCE_SCATTER, slot, slot.backend.start_reduce_scatter,
+                                (slot.group, b, o, op), _ranges(b), _ranges(o), o[0], finish,
+                                after, b[2])
+        self._seq = seq = self._seq + 1
+        return self._engine.submit("reduce_scatter", slot.lane, seq,
+                                   slot.backend.start_reduce_scatter, (slot.group, b, o, op),
+                                   _ranges(b), _ranges(o), o[0], finish, after, b[2])
 
     def alltoall(
         self, buf: Any, out: Any = None, *, backend: str | None = None,

@@ -321,7 +321,9 @@ class MPIBackend(Backend):
     def start_reduce_scatter(
         self, group: _MPIGroup, buf: Buffer, out: Buffer, op: ReduceOp
     ) -> Request:
-        return group.comm.Ireduce_scatter_block(self._msg(buf), self._msg(out), self._op(op, buf))
+        dtype = buf[1]
+        mop = self._ops[op] if dtype in self._plain else self._op(op, buf)
+        return group.comm.Ireduce_scatter_block(*self._pair(buf, out), mop)
 
     def start_alltoall(self, group: _MPIGroup, buf: Buffer, out: Buffer) -> Request:
         return group.comm.Ialltoall(*self._pair(buf, out))
