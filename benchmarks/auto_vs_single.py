@@ -17,7 +17,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 import timeit
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mcrdl  # noqa: E402
-from common import human, parse_sizes  # noqa: E402
+from common import alternate, human, parse_sizes  # noqa: E402
 from mcrdl import DType, OpKind, ReduceOp  # noqa: E402
 from mcrdl.tuning import TuningTable  # noqa: E402
 from mcrdl.tuning._bench import _elements, _global_bytes, _mcrdl_call, _out_elements, _Raw, sweep  # noqa: E402
@@ -50,45 +49,40 @@ def tune(path: str, ops: list[str], sizes: list[int], budget: float) -> None:
 def paired(comm, call_a, call_b, cycles: int) -> tuple[float, float]:
     """Seconds per call of two candidates timed alternately (median, slowest rank).
 
-    Each cycle runs A then B, the next B then A, so neither always follows the other (gloo
-    finishes bookkeeping on its threads after a call returns, and the peer may still be in
-    its previous call). Timing every candidate in one random round robin was rejected: a
-    fast backend's calls then paid for whichever slow gloo call preceded them on the other
-    rank, which spread auto/mpi (the same code path) from 0.76 to 1.14 at small sizes.
+    Timing every candidate in one random round robin was rejected: a fast backend's calls
+    then paid for whichever slow gloo call preceded them on the other rank, which spread
+    auto/mpi (the same code path) from 0.76 to 1.14 at small sizes.
     """
     control = comm.runtime.control_backend
     call_a()
     call_b()
-    a, b = [], []
-    clock = time.perf_counter
     comm.barrier(backend=control).wait()
-    for i in range(cycles):
-        first, second, fa, fb = (call_a, call_b, a, b) if i % 2 == 0 else (call_b, call_a, b, a)
-        t0 = clock()
-        first()
-        t1 = clock()
-        second()
-        t2 = clock()
-        fa.append(t1 - t0)
-        fb.append(t2 - t1)
+    a, b = alternate(call_a, call_b, cycles)
     med = np.array([statistics.median(a), statistics.median(b)])
     comm.allreduce(med, ReduceOp.MAX, backend=control).wait()
     return float(med[0]), float(med[1])
 
 
-def measure(comm, calls: dict, cycles: int) -> dict[str, float]:
-    """Each candidate's time, paired with auto's; ``auto/<name>`` is the ratio of that pair."""
-    out: dict[str, float] = {}
-    for name in calls:
-        if name == "auto":
-            continue
-        t_auto, t_other = paired(comm, calls["auto"], calls[name], cycles)
-        out[name] = t_other
-        out[f"auto/{name}"] = t_auto / t_other
-    best = min((k for k in out if "/" not in k and k in comm.backends), key=out.get)
-    out["best"] = best  # type: ignore[assignment]
-    out["auto"] = out[f"auto/{best}"] * out[best]
-    return out
+def measure(comm, calls: dict, cycles: int) -> tuple[dict[str, float], dict[str, float]]:
+    """(seconds per call of each candidate, auto's time over it), each from its pair with auto.
+
+    Auto's own time is the one from its pair with the fastest single backend.
+    """
+    times: dict[str, float] = {}
+    ratios: dict[str, float] = {}
+    for name, call in calls.items():
+        if name != "auto":
+            t_auto, times[name] = paired(comm, calls["auto"], call, cycles)
+            ratios[name] = t_auto / times[name]
+    best = min(comm.backends, key=times.__getitem__)
+    times["auto"] = ratios[best] * times[best]
+    return times, ratios
+
+
+def over_best(run: tuple[dict[str, float], dict[str, float]], backends) -> float:
+    """auto / the fastest single backend, in one ``measure`` run."""
+    times, ratios = run
+    return ratios[min(backends, key=times.__getitem__)]
 
 
 def main() -> None:
@@ -125,21 +119,19 @@ def main() -> None:
                 calls["torch"] = torch_call
             cycles = max(8, int((400 if size <= 4096 else 100 if size <= (1 << 20) else 40)
                                 * args.scale))
-            res = measure(comm, calls, cycles)
             # This machine's noise can exceed 3% at a point: re-measure a point whose auto/best
             # ratio falls outside [0.97, 1.03] up to four more times and keep the median run (by
             # ratio), never the best one.
-            runs = [res]
-            while len(runs) < 5 and not 0.97 <= res[f"auto/{res['best']}"] <= 1.03:
-                res = measure(comm, calls, cycles)
-                runs.append(res)
-            res = sorted(runs, key=lambda r: r[f"auto/{r['best']}"])[len(runs) // 2]
+            runs = [measure(comm, calls, cycles)]
+            while len(runs) < 5 and not 0.97 <= over_best(runs[-1], comm.backends) <= 1.03:
+                runs.append(measure(comm, calls, cycles))
+            run = sorted(runs, key=lambda r: over_best(r, comm.backends))[len(runs) // 2]
+            times, ratios = run
             nbytes = _global_bytes(op, elems, 4, n)
             chose = comm.runtime.tuning.lookup(op, "float32", n, nbytes)
-            row = {"op": op, "bytes": nbytes,
-                   **{k: v * 1e6 for k, v in res.items() if "/" not in k and k != "best"},
-                   "chose": chose, "auto_over_best": res[f"auto/{res['best']}"],
-                   "auto_over_torch": res.get("auto/torch")}
+            row = {"op": op, "bytes": nbytes, **{k: v * 1e6 for k, v in times.items()},
+                   "chose": chose, "auto_over_best": over_best(run, comm.backends),
+                   "auto_over_torch": ratios.get("torch")}
             rows.append(row)
             if comm.rank == 0:
                 print(f"{op:<15} {human(nbytes):>6} | {row['auto']:9.1f} {row.get('mpi', 0):9.1f}"

@@ -1,6 +1,9 @@
-"""Helpers shared by the benchmarks: size ranges and human-readable byte counts."""
+"""Helpers shared by the benchmarks: size ranges, human-readable byte counts, paired timing."""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -37,3 +40,26 @@ def human(nbytes: int) -> str:
         if nbytes >= _UNITS[unit] and nbytes % _UNITS[unit] == 0:
             return f"{nbytes // _UNITS[unit]}{unit}"
     return f"{nbytes}B"
+
+
+def alternate(call_a: Callable[[], object], call_b: Callable[[], object],
+              iters: int) -> tuple[list[float], list[float]]:
+    """Seconds of each call of A and of B, timed alternately: A-B, then B-A.
+
+    Both see the same machine (it drifts here), and neither always runs second: whichever
+    does pays for the first's leftovers (gloo finishes bookkeeping on its threads after
+    ``wait()`` returns, and the peer rank may still be in its previous call).
+    """
+    a: list[float] = []
+    b: list[float] = []
+    clock = time.perf_counter
+    for i in range(iters):
+        first, second, fa, fb = (call_a, call_b, a, b) if i % 2 == 0 else (call_b, call_a, b, a)
+        t0 = clock()
+        first()
+        t1 = clock()
+        second()
+        t2 = clock()
+        fa.append(t1 - t0)
+        fb.append(t2 - t1)
+    return a, b

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mcrdl  # noqa: E402
-from common import parse_sizes, human  # noqa: E402
+from common import alternate, human, parse_sizes  # noqa: E402
 
 OPS = ("allreduce", "alltoall", "allgather", "broadcast")
 
@@ -100,19 +100,6 @@ class Bench:
 
     # -- timing ------------------------------------------------------------------------
 
-    def time_sync(self, call, iters: int) -> float:
-        self.sync()
-        for _ in range(min(10, iters)):
-            call()
-        self.sync()
-        samples = []
-        clock = time.perf_counter
-        for _ in range(iters):
-            t0 = clock()
-            call()
-            samples.append(clock() - t0)
-        return statistics.median(samples)
-
     def time_pair(self, call_a, call_b, iters: int) -> tuple[float, float]:
         """Time two calls alternately, so that both see the same machine (it drifts here)."""
         self.sync()
@@ -120,19 +107,7 @@ class Bench:
             call_a()
             call_b()
         self.sync()
-        a, b = [], []
-        clock = time.perf_counter
-        for i in range(iters):
-            # A-B, then B-A: whichever runs second must not always pay for the first's
-            # leftovers (gloo finishes bookkeeping on its threads after wait() returns).
-            first, second, fa, fb = (call_a, call_b, a, b) if i % 2 == 0 else (call_b, call_a, b, a)
-            t0 = clock()
-            first()
-            t1 = clock()
-            second()
-            t2 = clock()
-            fa.append(t1 - t0)
-            fb.append(t2 - t1)
+        a, b = alternate(call_a, call_b, iters)
         return statistics.median(a), statistics.median(b)
 
     def time_async(self, submit, iters: int) -> float:
