@@ -379,6 +379,28 @@ def test_poll_policy_idling_is_derived_from_its_settings():
     assert policy.nap(10.0) == 1e-3  # ...capped at sleep_max
 
 
+def test_a_lone_wait_on_a_blocking_backend_blocks_after_block_seconds():
+    """block_seconds, not yield_seconds, decides when a lone gloo-like wait blocks: with
+    yield_seconds at 60 s the wait would otherwise yield-poll past its 5 s timeout."""
+    from dataclasses import replace
+
+    from mcrdl.engine import PollPolicy
+
+    class Blocking(ManualBackend):
+        def block(self, request, timeout):
+            self.blocked.append(request)
+            self.finish(request)
+            return True
+
+    caps = replace(ManualBackend.capabilities, self_progressing=True, blocking_wait=True)
+    backend = Blocking(name="gloo", capabilities=caps)
+    backend.blocked = []
+    engine = Engine(background=False, policy=PollPolicy(yield_seconds=60.0, block_seconds=0.0))
+    fut = submit(engine, backend, "allreduce")
+    fut.wait(timeout=5.0)
+    assert fut.done() and len(backend.blocked) == 1
+
+
 def test_hazard_index_orders_every_overlap_through_churn():
     """Random adds and in-order-of-readiness removals over a small address pool, long enough
     that dead starts are reused and compacted: every overlapping unfinished access with a
