@@ -69,18 +69,6 @@ class HazardIndex:
         self._dead: set[int] = set()
         self._maxlen = 0
 
-    def __bool__(self) -> bool:
-        return bool(self._regions)
-
-    def __len__(self) -> int:
-        n = 0
-        for head in self._regions.values():
-            region: _Region | None = head
-            while region is not None:
-                n += 1
-                region = region.other
-        return n
-
     def _overlapping(self, start: int, stop: int) -> list[_Region]:
         starts = self._starts
         hi = bisect_left(starts, stop)

@@ -195,6 +195,7 @@ class Engine:
                 self._unindexed = None
                 if last._reads or last._writes:
                     hazards.add(last, last._reads, last._writes)
+            # (the index's dict read directly: a __bool__ call would cost a frame per submit)
             deps = hazards.conflicts(reads, writes) if hazards._regions else None
             if after:
                 deps = self._after_edges(fut, after, deps)
