@@ -5,9 +5,10 @@
     mpiexec -n 2 python benchmarks/overhead.py --section inflight
 
 For each operation and size it times, interleaved: raw mpi4py (blocking calls on the same
-tensors' numpy views), raw torch.distributed gloo (blocking), and mcrdl on each backend with
-``.wait()`` and with ``await`` (uvloop). Each cell is the slowest rank's median (as
-nccl-tests reports). The ``inflight`` section submits N independent operations before waiting
+tensors' numpy views, and the nonblocking call with a ``Test`` loop: the floor of any
+nonblocking engine), raw torch.distributed gloo (blocking), and mcrdl on each backend with
+``.wait()`` and with ``await`` (uvloop). Calls are timed in alternating pairs; each cell is
+the median over calls of the slowest rank's time (nccl-tests reports the slowest rank). The ``inflight`` section submits N independent operations before waiting
 for any and reports the cost per operation as N grows from 10 to 10,000.
 """
 
@@ -23,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -80,6 +82,22 @@ class Bench:
             "broadcast": lambda: c.Bcast(a, 0),
         }[op]
 
+    def raw_mpi_nonblocking(self, op: str, t: torch.Tensor, out: torch.Tensor):
+        a, o, c, IN_PLACE = t.numpy(), out.numpy(), self.raw_mpi, self.MPI.IN_PLACE
+        start = {
+            "allreduce": lambda: c.Iallreduce(IN_PLACE, a),
+            "alltoall": lambda: c.Ialltoall(a, o),
+            "allgather": lambda: c.Iallgather(a, o),
+            "broadcast": lambda: c.Ibcast(a, 0),
+        }[op]
+
+        def call() -> None:
+            req = start()
+            while not req.Test():
+                pass
+
+        return call
+
     def raw_gloo_call(self, op: str, t: torch.Tensor, out: torch.Tensor):
         d = self.dist
         return {
@@ -100,15 +118,22 @@ class Bench:
 
     # -- timing ------------------------------------------------------------------------
 
-    def time_pair(self, call_a, call_b, iters: int) -> tuple[float, float]:
-        """Time two calls alternately, so that both see the same machine (it drifts here)."""
+    def time_pair(self, call_a, call_b, iters: int) -> tuple[float, float, float]:
+        """Time two calls alternately, so that both see the same machine (it drifts here).
+
+        Returns the median over calls of the slowest rank's time for each, and the median of
+        the per-pair ratios B/A (a drift of the machine between pairs cancels in it).
+        """
         self.sync()
         for _ in range(min(10, iters)):
             call_a()
             call_b()
         self.sync()
         a, b = alternate(call_a, call_b, iters)
-        return statistics.median(a), statistics.median(b)
+        per_call = np.array(a + b)
+        self.raw_mpi.Allreduce(self.MPI.IN_PLACE, per_call, op=self.MPI.MAX)
+        a_s, b_s = per_call[:iters], per_call[iters:]
+        return float(np.median(a_s)), float(np.median(b_s)), float(np.median(b_s / a_s))
 
     def time_async(self, submit, iters: int) -> float:
         async def run() -> float:
@@ -143,15 +168,23 @@ class Bench:
         iters = iters_for(nbytes, scale)
         res: dict[str, float] = {}
         mpi_submit = self.mcrdl_submit(op, t, out, "mpi")
-        res["raw_mpi"], res["mpi_wait"] = self.time_pair(
+        res["raw_mpi"], res["mpi_wait"], _ = self.time_pair(
             self.raw_mpi_call(op, t, out), lambda: mpi_submit().wait(), iters)
+        _, res["raw_mpi_nb"], _ = self.time_pair(
+            self.raw_mpi_call(op, t, out), self.raw_mpi_nonblocking(op, t, out), iters)
         res["mpi_await"] = self.time_async(mpi_submit, iters)
-        giters = max(3, iters // 4) if nbytes <= 4096 else iters
+        # gloo's ratios need more pairs than MPI's at large sizes: its times spread more here.
+        giters = max(3, iters // 4) if nbytes <= 4096 else max(iters, int(40 * scale))
         gloo_submit = self.mcrdl_submit(op, t, out, "gloo")
-        res["raw_gloo"], res["gloo_wait"] = self.time_pair(
-            self.raw_gloo_call(op, t, out), lambda: gloo_submit().wait(), giters)
+        raw_gloo = self.raw_gloo_call(op, t, out)
+        res["raw_gloo"], res["gloo_wait"], gloo_ratio = self.time_pair(
+            raw_gloo, lambda: gloo_submit().wait(), giters)
+        # The noise floor of that ratio: raw gloo timed against itself, the same way.
+        gloo_aa = self.time_pair(raw_gloo, raw_gloo, giters)[2]
         res["gloo_await"] = self.time_async(gloo_submit, giters)
-        return {k: self.slowest(v) for k, v in res.items()}
+        out = {k: self.slowest(v) for k, v in res.items()}
+        out["gloo_ratio"], out["gloo_aa"] = gloo_ratio, gloo_aa  # the same on every rank
+        return out
 
     def inflight_point(self, count: int, reps: int) -> dict[str, float]:
         """Submit ``count`` independent 4-byte allreduces on mpi, then wait for all.
@@ -214,17 +247,19 @@ def latency_table(bench: Bench, sizes: list[int], ops: list[str], scale: float) 
     return rows
 
 
-HEADER = (f"{'op':<10} {'size':>7} | {'raw mpi':>9} {'wait':>9} {'+µs':>6} {'await':>9} {'+µs':>6}"
-          f" {'bw ratio':>8} | {'raw gloo':>9} {'wait':>9} {'ratio':>6} {'await':>9} {'ratio':>6}")
+HEADER = (f"{'op':<10} {'size':>7} | {'raw mpi':>9} {'raw nb':>9} {'wait':>9} {'+µs':>6} {'await':>9} {'+µs':>6}"
+          f" {'bw ratio':>8} | {'raw gloo':>9} {'wait':>9} {'ratio':>6} {'A/A':>5} {'await':>9}"
+          f" {'ratio':>6}")
 
 
 def format_row(r: dict) -> str:
     us = 1e6
     bw = r["raw_mpi"] / r["mpi_wait"]
-    return (f"{r['op']:<10} {human(r['bytes']):>7} | {r['raw_mpi'] * us:9.1f} {r['mpi_wait'] * us:9.1f}"
+    return (f"{r['op']:<10} {human(r['bytes']):>7} | {r['raw_mpi'] * us:9.1f}"
+            f" {r['raw_mpi_nb'] * us:9.1f} {r['mpi_wait'] * us:9.1f}"
             f" {(r['mpi_wait'] - r['raw_mpi']) * us:+6.1f} {r['mpi_await'] * us:9.1f}"
             f" {(r['mpi_await'] - r['raw_mpi']) * us:+6.1f} {bw:8.3f} | {r['raw_gloo'] * us:9.1f}"
-            f" {r['gloo_wait'] * us:9.1f} {r['gloo_wait'] / r['raw_gloo']:6.2f}"
+            f" {r['gloo_wait'] * us:9.1f} {r['gloo_ratio']:6.2f} {r['gloo_aa']:5.2f}"
             f" {r['gloo_await'] * us:9.1f} {r['gloo_await'] / r['raw_gloo']:6.2f}")
 
 
@@ -241,7 +276,9 @@ def main() -> None:
     report: dict = {"ranks": comm.size, "cores": os.cpu_count()}
     if comm.rank == 0:
         print(f"# mcrdl {mcrdl.__version__} overhead, {comm.size} ranks, {os.cpu_count()} cores;"
-              " median µs of the slowest rank; +µs = mcrdl - raw mpi; bw ratio = raw/mcrdl time")
+              " median µs of the slowest rank; raw nb = Ixxx + Test loop; +µs = mcrdl - raw mpi;"
+              " bw ratio = raw/mcrdl time;\n# gloo ratio = median of per-pair mcrdl/raw; A/A = raw gloo"
+              " timed against itself (the noise floor)")
     if args.section in ("latency", "all"):
         if comm.rank == 0:
             print(HEADER, flush=True)

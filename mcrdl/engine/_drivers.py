@@ -193,11 +193,15 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
     whole operation), then each idle poll gives the loop one iteration (a bare ``yield``).
     A wait longer than ``yield_seconds`` is handed to the background thread, which resolves
     an asyncio future through ``call_soon_threadsafe``: by then the ~70 µs hand-off is noise,
-    and the loop can sleep instead of spinning.
+    and the loop can sleep instead of spinning. A lone operation on a backend that can block
+    (gloo) is handed over after ``block_seconds`` already, and the thread blocks in gloo for
+    it: polling it longer takes the CPU from gloo's own threads.
     """
     poll = engine.poll_once
     policy = engine.policy
     patience = policy.patience
+    block_at = policy.block_patience
+    lone = False
     engine.drivers += 1
     try:
         if engine.spin_ok():
@@ -211,6 +215,10 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
             now = _clock()
             engine.check_deadlines(now)
             waited = now - t0
+            if (waited >= block_at and fut._state == ISSUED and engine._unfinished == 1
+                    and fut.lane.blocking and engine.has_background):
+                lone = True  # the background thread blocks in the backend for it
+                break
             if waited >= patience and not engine.needs_polls():
                 if engine.has_background:
                     break
@@ -226,7 +234,7 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
     loop = asyncio.get_running_loop()
     waiter = loop.create_future()
     fut.add_done_callback(lambda _: loop.call_soon_threadsafe(_set_none, waiter))
-    engine.wake_background()
+    engine.wake_background(fut if lone else None)
     yield from waiter
 
 
@@ -255,6 +263,8 @@ class ProgressThread:
         self.parked = True
         #: True while it waits without a timeout: only a wake() brings it back.
         self.deep = True
+        #: A lone operation an awaiting coroutine handed over: block in its backend for it.
+        self.lone: CommFuture | None = None
 
     def wake(self) -> None:
         """Unpark the thread (start it the first time)."""
@@ -300,6 +310,12 @@ class ProgressThread:
         interval = policy.background_min
         idle_since = _clock()
         while not self._stop:
+            lone = self.lone
+            if lone is not None:
+                self.lone = None
+                if not engine.drivers:
+                    _block(engine, lone, None)
+                continue
             if not engine._unfinished:
                 if _clock() - idle_since > policy.deep_idle:
                     self._park(-1, for_work=True)

@@ -463,11 +463,18 @@ class Engine:
         """Whether a background progress thread polls while nobody waits."""
         return self._thread is not None
 
-    def wake_background(self) -> None:
-        """Let the background thread poll (called when a driver leaves with work in flight)."""
+    def wake_background(self, lone: CommFuture | None = None) -> None:
+        """Let the background thread poll (called when a driver leaves with work in flight).
+
+        ``lone``: the only unfinished operation, on a backend that can block; the thread
+        blocks in the backend until it finishes instead of polling.
+        """
         thread = self._thread
-        if thread is not None and thread.parked:
-            thread.wake()
+        if thread is not None:
+            if lone is not None:
+                thread.lone = lone
+            if thread.parked:
+                thread.wake()
 
     def request_abort(self, reason: str) -> None:
         """Fail every unfinished operation with CommAbortedError at the next idle check.

@@ -401,6 +401,44 @@ def test_a_lone_wait_on_a_blocking_backend_blocks_after_block_seconds():
     assert fut.done() and len(backend.blocked) == 1
 
 
+def test_a_lone_await_on_a_blocking_backend_is_handed_to_a_thread_that_blocks():
+    """After block_seconds, an awaited lone gloo-like operation is handed to the background
+    thread, which blocks in the backend for it (the event loop then sleeps instead of taking
+    the CPU from gloo's threads); with yield_seconds at 60 s the await would otherwise poll
+    past its 5 s timeout."""
+    import asyncio
+    import threading
+    from dataclasses import replace
+
+    from mcrdl.engine import PollPolicy
+
+    class Blocking(ManualBackend):
+        def block(self, request, timeout):
+            self.blocked.append(threading.current_thread())
+            self.finish(request)
+            return True
+
+    caps = replace(ManualBackend.capabilities, self_progressing=True, blocking_wait=True)
+    backend = Blocking(name="gloo", capabilities=caps)
+    backend.blocked = []
+    engine = Engine(policy=PollPolicy(yield_seconds=60.0, block_seconds=0.0))
+    try:
+        fut = submit(engine, backend, "allreduce")
+
+        async def main():
+            return await asyncio.wait_for(_awaited(fut), 5.0)
+
+        asyncio.run(main())
+        assert fut.done()
+        assert len(backend.blocked) == 1 and backend.blocked[0] is not threading.main_thread()
+    finally:
+        engine.close("test over")
+
+
+async def _awaited(fut):
+    return await fut
+
+
 def test_hazard_index_orders_every_overlap_through_churn():
     """Random adds and in-order-of-readiness removals over a small address pool, long enough
     that dead starts are reused and compacted: every overlapping unfinished access with a
