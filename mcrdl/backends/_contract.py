@@ -212,6 +212,21 @@ class Backend(ABC):
         Never blocks; one call is also one step of the backend's progress where that matters.
         """
 
+    def test_one(self, request: Request) -> bool:
+        """Whether one request has finished; raises its error (a BackendError) if it failed.
+
+        The engine tests a lone request of a backend whose data moves only while it is polled
+        this way, many times over, while its caller waits; a backend whose requests test
+        cheaper one at a time overrides it.
+        """
+        done = self.test([request])
+        if not done:
+            return False
+        error = done[0][1]
+        if error is not None:
+            raise error
+        return True
+
     def block(self, request: Request, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for ``request`` (``capabilities.blocking_wait`` only).
 

@@ -367,6 +367,12 @@ class MPIBackend(Backend):
             return self._failed_some(requests, statuses)
         return [(i, None) for i in done] if done else []
 
+    def test_one(self, request: Request) -> bool:
+        try:
+            return request.Test()  # type: ignore[no-any-return]  # a bool
+        except self._MPI.Exception as exc:
+            raise BackendError(f"MPI: {exc.Get_error_string()}") from exc
+
     def _test_each(self, requests: list[Request]) -> list[tuple[int, BaseException | None]]:
         """One Test per request (segmented operations are not MPI requests)."""
         out: list[tuple[int, BaseException | None]] = []

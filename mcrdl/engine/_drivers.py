@@ -51,6 +51,9 @@ class PollPolicy:
 
     Attributes:
         spin_polls: idle polls a waiter spins before yielding, when spinning is safe.
+        lone_spins: direct tests a waiter spins on the only unfinished operation first, when
+            spinning is safe and its backend moves data only while polled (MPI); a test costs
+            ~0.2 µs where a poll costs ~0.7 (``Engine.spin_lone``).
         yield_seconds: how long a waiter yields the CPU between polls before it sleeps
             (an awaiting coroutine hands the wait to the background thread instead).
         block_seconds: how long a ``wait()`` yield-polls a lone operation whose backend can
@@ -65,6 +68,7 @@ class PollPolicy:
     """
 
     spin_polls: int = 64
+    lone_spins: int = 256
     yield_seconds: float = 5e-3
     block_seconds: float = 3e-4
     sleep_fraction: float = 1 / 32
@@ -202,6 +206,10 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
     patience = policy.patience
     block_at = policy.block_patience
     lone = False
+    spins = engine.lone_spins
+    if (spins and fut._state == ISSUED and engine._unfinished == 1 and fut.lane.spins_alone
+            and engine.spin_lone(fut, spins)):
+        return
     engine.drivers += 1
     try:
         if engine.spin_ok():

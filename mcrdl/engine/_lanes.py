@@ -54,6 +54,7 @@ class Lane:
         "history",
         "track",
         "blocking",
+        "spins_alone",
     )
 
     def __init__(self, backend: Backend, group: Any, comm_name: str) -> None:
@@ -71,6 +72,9 @@ class Lane:
         self.track: Any = None
         #: Whether a lone request of this lane may be waited on in the backend (``block``).
         self.blocking: bool = backend.capabilities.blocking_wait
+        #: Whether a waiter may spin on a lone request of this lane (Engine.spin_lone): its
+        #: backend moves data only while polled, and has no threads of its own to starve.
+        self.spins_alone: bool = not backend.capabilities.self_progressing
 
     def records(self) -> list[OpRecord]:
         """The flight record: the last finished operations of this lane, oldest first."""

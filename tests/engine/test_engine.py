@@ -439,6 +439,101 @@ async def _awaited(fut):
     return await fut
 
 
+class _Counting(ManualBackend):
+    """Its requests finish (or fail) on the n-th test_one; the general test is counted."""
+
+    def __init__(self, after: int, error: BaseException | None = None, **kw):
+        super().__init__(**kw)
+        self.after, self.error = after, error
+        self.one_tests = self.tests = 0
+
+    def test_one(self, request):
+        self.one_tests += 1
+        if self.one_tests >= self.after:
+            if self.error is not None:
+                raise self.error
+            return True
+        return False
+
+    def test(self, requests):
+        self.tests += 1
+        return super().test(requests)
+
+
+def test_a_lone_wait_spins_on_its_request_and_settles_it():
+    """The only unfinished operation, on a backend that moves data only while polled, is
+    waited for by direct tests (Engine.spin_lone), not by polls of every track; a failure
+    there fails the future with the backend's error; an oversubscribed node never spins."""
+    from mcrdl.engine import PollPolicy
+
+    backend = _Counting(after=5)
+    engine = Engine(background=False)
+    fut = submit(engine, backend, "allreduce", result="r")
+    assert fut.wait(timeout=5.0) == "r"
+    assert backend.one_tests == 5 and backend.tests == 0
+    assert engine.in_flight() == 0 and fut.lane.track.live == 0
+
+    failing = _Counting(after=2, error=BackendError("link down"))
+    engine = Engine(background=False)
+    fut = submit(engine, failing, "allreduce")
+    with pytest.raises(BackendError, match="link down"):
+        fut.wait(timeout=5.0)
+    assert fut.state == "FAILED" and engine.in_flight() == 0
+
+    slow = _Counting(after=10**9)
+    engine = Engine(background=False, policy=PollPolicy(oversubscribed=True))
+    fut = submit(engine, slow, "allreduce")
+    with pytest.raises(TimeoutError):
+        fut.wait(timeout=0.05)
+    assert slow.one_tests == 0 and slow.tests > 0
+
+
+def test_a_lone_spin_stops_when_another_operation_arrives():
+    """A spin is bounded (lone_spins tests), so an operation that another thread submits
+    meanwhile is polled soon after (rule 5 of DESIGN.md: the spin cannot interleave with the
+    submitter, which waits for the engine's lock or the GIL); and a wait that starts with
+    two in flight never spins."""
+    import threading
+
+    backend = _Counting(after=10**9)
+    engine = Engine(background=False)
+    first = submit(engine, backend, "allreduce")
+    go = threading.Event()
+    real_test_one = backend.test_one
+
+    def test_one(request):
+        if backend.one_tests == 3:
+            go.set()
+        return real_test_one(request)
+
+    backend.test_one = test_one  # type: ignore[method-assign]
+
+    def arrive():  # another thread submits while the first waiter spins
+        go.wait(5.0)
+        submit(engine, backend, "allreduce", comm="other")
+        for req in backend.started:
+            req.done = True
+
+    thread = threading.Thread(target=arrive)
+    thread.start()
+    assert first.wait(timeout=5.0) is None
+    thread.join(5.0)
+    assert backend.tests > 0  # the general poll found both
+    assert backend.one_tests <= engine.policy.lone_spins
+    engine.poll_once()
+    assert engine.in_flight() == 0
+
+    # Two in flight from the start: no spin at all.
+    backend.one_tests = 0
+    a = submit(engine, backend, "allreduce")
+    b = submit(engine, backend, "allreduce", comm="other")
+    for req in backend.started[-2:]:
+        req.done = True
+    a.wait(timeout=5.0)
+    b.wait(timeout=5.0)
+    assert backend.one_tests == 0
+
+
 def test_hazard_index_orders_every_overlap_through_churn():
     """Random adds and in-order-of-readiness removals over a small address pool, long enough
     that dead starts are reused and compacted: every overlapping unfinished access with a
