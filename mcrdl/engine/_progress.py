@@ -208,8 +208,6 @@ class Engine:
         if after:
             after = self._check_after(after)
         self.last_active = now = self._clock()
-        fut = CommFuture(self, kind, lane, seq, start, args, reads, writes, result, finish,
-                         nbytes, now)
         lock = self._lock
         lock.acquire()
         try:
@@ -227,30 +225,54 @@ class Engine:
                     hazards.add(last, last._reads, last._writes)
             # (the index's dict read directly: a __bool__ call would cost a frame per submit)
             deps = hazards.conflicts(reads, writes) if hazards._regions else None
-            if after:
-                deps = self._after_edges(fut, after, deps)
-            if deps is None and after:
-                self._run_work()  # an after= dependency failed already: fut fails with it
-            elif not deps and not lane.pending:
-                # Issue first, then record the ranges: the network starts sooner, and under
-                # the lock nobody sees the difference (_issue only queues a completion, so the
+            if not deps and not after and not lane.pending:
+                # Issue first, then make the future and record the ranges: the network starts
+                # sooner (the peers' messages are on their way while this runs), and under the
+                # lock nobody sees the difference (a completion is only queued here, so the
                 # ranges are in place before anything settles).
-                self._issue(fut)
+                try:
+                    req = start(*args)
+                except Exception as exc:  # fails the future, not the process
+                    fut = CommFuture(self, kind, lane, seq, start, args, reads, writes, result,
+                                     finish, nbytes, now)
+                    self._start_failed(fut, exc)
+                else:
+                    fut = CommFuture(self, kind, lane, seq, None, args, reads, writes, result,
+                                     finish, nbytes, now)
+                    fut._state = ISSUED
+                    fut.t_issue = now
+                    if req is None:  # finished during the start call
+                        self._work.append((fut, None))
+                    else:
+                        fut._request = req
+                        lane.track.add(fut, req)
                 self._unindexed = fut
                 if self._work:
                     self._run_work()
             else:
-                if reads or writes:
-                    hazards.add(fut, reads, writes)
-                if deps:
-                    fut._deps_left = len(deps)
-                    for dep in deps:
-                        dependants = dep._dependants
-                        if dependants is None:
-                            dep._dependants = [fut]
-                        else:
-                            dependants.append(fut)
-                lane.pending.append(fut)
+                fut = CommFuture(self, kind, lane, seq, start, args, reads, writes, result,
+                                 finish, nbytes, now)
+                if after:
+                    deps = self._after_edges(fut, after, deps)
+                if deps is None and after:
+                    self._run_work()  # an after= dependency failed already: fut fails with it
+                elif not deps and not lane.pending:
+                    self._issue(fut)
+                    self._unindexed = fut
+                    if self._work:
+                        self._run_work()
+                else:
+                    if reads or writes:
+                        hazards.add(fut, reads, writes)
+                    if deps:
+                        fut._deps_left = len(deps)
+                        for dep in deps:
+                            dependants = dep._dependants
+                            if dependants is None:
+                                dep._dependants = [fut]
+                            else:
+                                dependants.append(fut)
+                    lane.pending.append(fut)
         finally:
             lock.release()
         if self._due:
@@ -294,10 +316,7 @@ class Engine:
         try:
             req = fut._start(*fut._args)  # type: ignore[misc]  # both set until issued
         except Exception as exc:  # a backend refusing at start fails the future, not the process
-            lane = fut.lane
-            err = BackendError(f"{fut.kind}#{fut.seq} on {lane.backend_name} failed to start: {exc}")
-            err.__cause__ = exc
-            self._work.append((fut, err))
+            self._start_failed(fut, exc)
             return
         fut.t_issue = self._clock()
         fut._state = ISSUED
@@ -307,6 +326,11 @@ class Engine:
             return
         fut._request = req
         fut.lane.track.add(fut, req)
+
+    def _start_failed(self, fut: CommFuture, exc: Exception) -> None:
+        err = BackendError(f"{fut.kind}#{fut.seq} on {fut.lane.backend_name} failed to start: {exc}")
+        err.__cause__ = exc
+        self._work.append((fut, err))
 
     def _pump(self, lane: Lane) -> None:
         """Issue the lane's head operations, in order, while their dependencies are met."""
