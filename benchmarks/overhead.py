@@ -116,6 +116,16 @@ class Bench:
             "broadcast": lambda: c.broadcast(t, 0, backend=backend),
         }[op]
 
+    def mcrdl_wait(self, op: str, t: torch.Tensor, out: torch.Tensor, backend: str):
+        """Submit and wait in one call, as a training loop writes it (no extra frame)."""
+        c = self.comm
+        return {
+            "allreduce": lambda: c.allreduce(t, backend=backend).wait(),
+            "alltoall": lambda: c.alltoall(t, out=out, backend=backend).wait(),
+            "allgather": lambda: c.allgather(t, out=out, backend=backend).wait(),
+            "broadcast": lambda: c.broadcast(t, 0, backend=backend).wait(),
+        }[op]
+
     # -- timing ------------------------------------------------------------------------
 
     def time_pair(self, call_a, call_b, iters: int) -> tuple[float, float, float]:
@@ -169,7 +179,7 @@ class Bench:
         res: dict[str, float] = {}
         mpi_submit = self.mcrdl_submit(op, t, out, "mpi")
         res["raw_mpi"], res["mpi_wait"], _ = self.time_pair(
-            self.raw_mpi_call(op, t, out), lambda: mpi_submit().wait(), iters)
+            self.raw_mpi_call(op, t, out), self.mcrdl_wait(op, t, out, "mpi"), iters)
         _, res["raw_mpi_nb"], _ = self.time_pair(
             self.raw_mpi_call(op, t, out), self.raw_mpi_nonblocking(op, t, out), iters)
         res["mpi_await"] = self.time_async(mpi_submit, iters)
@@ -178,7 +188,7 @@ class Bench:
         gloo_submit = self.mcrdl_submit(op, t, out, "gloo")
         raw_gloo = self.raw_gloo_call(op, t, out)
         res["raw_gloo"], res["gloo_wait"], gloo_ratio = self.time_pair(
-            raw_gloo, lambda: gloo_submit().wait(), giters)
+            raw_gloo, self.mcrdl_wait(op, t, out, "gloo"), giters)
         # The noise floor of that ratio: raw gloo timed against itself, the same way.
         gloo_aa = self.time_pair(raw_gloo, raw_gloo, giters)[2]
         res["gloo_await"] = self.time_async(gloo_submit, giters)
