@@ -402,7 +402,7 @@ def test_a_lone_wait_on_a_blocking_backend_blocks_after_block_seconds():
 
 
 def test_a_lone_await_on_a_blocking_backend_is_handed_to_a_thread_that_blocks():
-    """After block_seconds, an awaited lone gloo-like operation is handed to the background
+    """After await_block_seconds, an awaited lone gloo-like operation is handed to the background
     thread, which blocks in the backend for it (the event loop then sleeps instead of taking
     the CPU from gloo's threads); with yield_seconds at 60 s the await would otherwise poll
     past its 5 s timeout."""
@@ -421,7 +421,7 @@ def test_a_lone_await_on_a_blocking_backend_is_handed_to_a_thread_that_blocks():
     caps = replace(ManualBackend.capabilities, self_progressing=True, blocking_wait=True)
     backend = Blocking(name="gloo", capabilities=caps)
     backend.blocked = []
-    engine = Engine(policy=PollPolicy(yield_seconds=60.0, block_seconds=0.0))
+    engine = Engine(policy=PollPolicy(yield_seconds=60.0, await_block_seconds=0.0))
     try:
         fut = submit(engine, backend, "allreduce")
 
