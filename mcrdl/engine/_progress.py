@@ -488,7 +488,8 @@ class Engine:
         without walking the tracks, and settles it as ``poll_once`` would. Returns True once
         ``fut`` is done; False after ``tests`` tests, or as soon as another operation arrives
         or another thread holds the lock (the caller then polls the general way). A 4-byte
-        MPI allreduce's ``.wait()`` at 2 ranks took 2 µs less this way (benchmarks/overhead.py).
+        MPI allreduce's ``.wait()`` at 2 ranks went from +5.0 to +3.4 µs over a raw blocking
+        call this way (20,000 alternated pairs).
         """
         lock = self._lock
         track = fut.lane.track
@@ -509,12 +510,13 @@ class Engine:
                         if test(request):
                             break
                     else:
-                        continue
+                        continue  # not finished: release the lock (finally), then go on
                 except BackendError as exc:
                     error = exc
                 except Exception as exc:  # noqa: BLE001 - a backend's failure fails the future
                     error = BackendError(f"{fut.kind}#{fut.seq} on {fut.lane.backend_name}: {exc}")
                     error.__cause__ = exc
+                # fut's request was the track's only live entry: the track is empty now.
                 track.futs = []
                 track.reqs = []
                 track.first = track.live = track.rot = 0
