@@ -205,9 +205,10 @@ def _set_none(waiter: asyncio.Future[None]) -> None:
 def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
     """Poll from the running event loop until ``fut`` is done.
 
-    Short waits never leave the loop's thread: first a few polls in place (when spinning is
-    safe: a small operation finishes within them, and a loop iteration costs more than the
-    whole operation), then each idle poll gives the loop one iteration (a bare ``yield``).
+    Short waits never leave the loop's thread: first the lone spin (``Engine.spin_lone``, up
+    to ``lone_spins`` direct tests, ~50 µs) or a few polls in place (when spinning is safe: a
+    small operation finishes within them, and a loop iteration costs more than the whole
+    operation), then each idle poll gives the loop one iteration (a bare ``yield``).
     A wait longer than ``yield_seconds`` is handed to the background thread, which resolves
     an asyncio future through ``call_soon_threadsafe``: by then the ~70 µs hand-off is noise,
     and the loop can sleep instead of spinning. A lone operation on a backend that can block
