@@ -112,6 +112,12 @@ class PollPolicy:
         """
         return min(self.block_seconds, self.patience)
 
+    @property
+    def await_block_patience(self) -> float:
+        """Seconds an ``await`` polls a lone gloo operation before handing it to the
+        background thread to block in it (never later than it would sleep)."""
+        return min(self.await_block_seconds, self.patience)
+
     def nap(self, waited: float) -> float:
         """How long a waiter that has waited ``waited`` seconds sleeps before its next poll."""
         return min(self.sleep_max, max(waited, 1e-4) * self.sleep_fraction)
@@ -218,11 +224,9 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
     poll = engine.poll_once
     policy = engine.policy
     patience = policy.patience
-    block_at = min(policy.await_block_seconds, patience)
+    block_at = policy.await_block_patience
     lone = False
-    spins = engine.lone_spins
-    if (spins and fut._state == ISSUED and engine._unfinished == 1 and fut.lane.spins_alone
-            and engine.spin_lone(fut, spins)):
+    if engine.spin_lone(fut):
         return
     engine.drivers += 1
     try:

@@ -165,14 +165,11 @@ class CommFuture:
             RuntimeFinalizedError: the runtime was finalized before the operation finished.
             Exception: whatever failed the operation.
         """
-        state = self._state
-        if state < DONE:
+        if self._state < DONE:
+            # The commonest wait is on the only unfinished operation, on MPI: spin on it with
+            # direct tests first (Engine.spin_lone), then poll the general way.
             engine = self._engine
-            spins = engine.lone_spins
-            # The commonest wait: this is the only unfinished operation, on MPI; spin on it
-            # with direct tests first (Engine.spin_lone), then poll the general way.
-            if not (spins and state == ISSUED and engine._unfinished == 1
-                    and self.lane.spins_alone and engine.spin_lone(self, spins)):
+            if not engine.spin_lone(self):
                 _wait(engine, self, timeout)
         if self._state == DONE:
             return self._result

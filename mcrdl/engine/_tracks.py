@@ -56,6 +56,7 @@ class Track:
             done = self.backend.test(self.reqs)
             if not done:
                 return []
+            # empty(), written out: this runs once per operation
             self.futs = []
             self.reqs = []
             self.first = self.live = 0
@@ -69,9 +70,7 @@ class Track:
                 return []
             finished = [(futs[first + i], err) for i, err in done]
             if len(done) == self.live:
-                self.futs = []
-                self.reqs = []
-                self.first = self.live = 0
+                self.empty()
                 return finished  # type: ignore[return-value]
             for i, _ in done:
                 self._hole(first + i)
@@ -107,9 +106,7 @@ class Track:
         while first < end and futs[first] is None:
             first += 1
         if first == end:
-            self.futs = []
-            self.reqs = []
-            self.first = self.rot = 0
+            self.empty()
             return
         if first > WINDOW and first * 2 > end:
             del futs[:first]
@@ -134,7 +131,11 @@ class Track:
     def clear(self) -> list[CommFuture]:
         """Forget everything; returns the futures that were live."""
         live = [f for f in self.futs[self.first:] if f is not None]
+        self.empty()
+        return live
+
+    def empty(self) -> None:
+        """Forget every entry (the caller has settled or taken the live ones)."""
         self.futs = []
         self.reqs = []
         self.first = self.live = self.rot = 0
-        return live
