@@ -374,6 +374,9 @@ def test_poll_policy_idling_is_derived_from_its_settings():
     assert policy.block_patience == 3e-4  # a lone gloo wait blocks sooner than it sleeps...
     assert PollPolicy(oversubscribed=True).block_patience == 0.0
     assert PollPolicy(yield_seconds=1e-4).block_patience == 1e-4  # ...never later
+    assert policy.await_block_patience == 2e-3  # an await hands a lone gloo wait over later
+    assert PollPolicy(oversubscribed=True).await_block_patience == 0.0
+    assert PollPolicy(yield_seconds=1e-4).await_block_patience == 1e-4
     assert policy.nap(0.0) == 1e-4 / 32  # a fresh wait naps a floor, not zero
     assert policy.nap(0.016) == 0.016 / 32  # a fraction of the time waited so far...
     assert policy.nap(10.0) == 1e-3  # ...capped at sleep_max
