@@ -213,13 +213,7 @@ class Engine:
                 else:
                     fut = CommFuture(self, kind, lane, seq, None, args, reads, writes, result,
                                      finish, nbytes, now)
-                    fut._state = ISSUED
-                    fut.t_issue = now
-                    if req is None:  # finished during the start call
-                        self._work.append((fut, None))
-                    else:
-                        fut._request = req
-                        lane.track.add(fut, req)
+                    self._issued(fut, req, now)
                 self._unindexed = fut
                 if self._work:
                     self._run_work()
@@ -292,7 +286,11 @@ class Engine:
         except Exception as exc:  # a backend refusing at start fails the future, not the process
             self._start_failed(fut, exc)
             return
-        fut.t_issue = self._clock()
+        self._issued(fut, req, self._clock())
+
+    def _issued(self, fut: CommFuture, req: Any, now: float) -> None:
+        """Record that ``fut`` was issued at ``now`` and gave ``req`` (None: finished)."""
+        fut.t_issue = now
         fut._state = ISSUED
         fut._start = None  # one object fewer alive per operation in flight
         if req is None:  # finished during the start call
