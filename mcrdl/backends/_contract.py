@@ -228,7 +228,8 @@ class Backend(ABC):
         return True
 
     def block(self, request: Request, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for ``request`` (``capabilities.blocking_wait`` only).
+        """Wait up to ``timeout`` seconds for ``request`` (``capabilities.blocking_wait`` only),
+        or up to the backend's timer resolution where that is longer (gloo: 1 ms).
 
         Called without the engine's lock, while nothing else is in flight; True if the request
         has finished (``test`` then reports how). Never raises for a slow request.

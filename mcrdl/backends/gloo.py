@@ -293,8 +293,10 @@ class GlooBackend(Backend):
     def block(self, request: Request, timeout: float) -> bool:
         if type(request) is _Waited:
             return request.event.wait(timeout)
+        # Work.wait counts whole milliseconds, and 0 means no timeout at all: a shorter
+        # slice would wait for the whole operation.
         try:
-            request.wait(datetime.timedelta(seconds=timeout))
+            request.wait(datetime.timedelta(seconds=max(timeout, 1e-3)))
         except Exception:  # noqa: BLE001 - a slice that ran out, or a failure test() reports
             return bool(request.is_completed())
         return True

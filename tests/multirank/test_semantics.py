@@ -6,6 +6,7 @@ Runs inside every rank at 2 and 4 ranks; every test holds for any world size.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -246,6 +247,21 @@ def test_await_in_asyncio_and_uvloop(comm, loop):
     assert y.tolist() == [float(comm.size)] * 16
     assert z.shape == (16 * comm.size,)
     assert all(r.tolist() == [float(comm.size)] * 4 for r in results)
+
+
+def test_a_wait_timeout_under_a_millisecond_holds_on_gloo(comm):
+    """gloo's timed Work.wait counts whole milliseconds and reads 0 as "no timeout": a lone
+    gloo wait whose deadline is under 1 ms away must not block until the operation ends."""
+    comm.barrier(backend="mpi").wait()
+    if comm.rank == 1:
+        time.sleep(1.0)
+    fut = comm.allreduce(torch.ones(4), backend="gloo")
+    if comm.rank == 0:
+        t0 = time.perf_counter()
+        with pytest.raises(TimeoutError):
+            fut.wait(timeout=5e-4)
+        assert time.perf_counter() - t0 < 0.5
+    assert fut.wait().tolist() == [float(comm.size)] * 4
 
 
 def test_waiting_in_opposite_orders(comm):
