@@ -438,6 +438,53 @@ def test_a_lone_await_on_a_blocking_backend_is_handed_to_a_thread_that_blocks():
         engine.close("test over")
 
 
+def test_a_lone_await_on_a_blocking_backend_blocks_in_short_slices_in_the_loop():
+    """From block_seconds until await_block_seconds, an awaited lone gloo-like operation is
+    waited for blocking in the loop's own thread (as wait() does: polling takes the CPU from
+    gloo's threads, and a hand-off costs ~110 µs), one slice of at most 1 ms at a time, with
+    the loop's other tasks running between slices; with yield_seconds at 60 s the await
+    would otherwise poll past its 5 s timeout."""
+    import threading
+    from dataclasses import replace
+
+    from mcrdl.engine import PollPolicy
+
+    class Blocking(ManualBackend):
+        def block(self, request, timeout):
+            self.blocked.append((threading.current_thread(), timeout, ticks[0]))
+            if len(self.blocked) == 3:
+                self.finish(request)
+            return len(self.blocked) == 3
+
+    caps = replace(ManualBackend.capabilities, self_progressing=True, blocking_wait=True)
+    backend = Blocking(name="gloo", capabilities=caps)
+    backend.blocked = []
+    ticks = [0]
+    engine = Engine(policy=PollPolicy(yield_seconds=60.0, block_seconds=0.0,
+                                      await_block_seconds=60.0))
+    try:
+        fut = submit(engine, backend, "allreduce")
+
+        async def ticker():
+            while not fut.done():
+                ticks[0] += 1
+                await asyncio.sleep(0)
+
+        async def main():
+            task = asyncio.ensure_future(ticker())
+            await asyncio.wait_for(_awaited(fut), 5.0)
+            await task
+
+        asyncio.run(main())
+        assert fut.done() and len(backend.blocked) == 3
+        assert all(thread is threading.main_thread() for thread, _, _ in backend.blocked)
+        assert all(timeout <= 1e-3 for _, timeout, _ in backend.blocked)
+        first, second, third = (tick for _, _, tick in backend.blocked)
+        assert first < second < third  # the other task ran between slices
+    finally:
+        engine.close("test over")
+
+
 async def _awaited(fut):
     return await fut
 
