@@ -374,9 +374,6 @@ def test_poll_policy_idling_is_derived_from_its_settings():
     assert policy.block_patience == 3e-4  # a lone gloo wait blocks sooner than it sleeps...
     assert PollPolicy(oversubscribed=True).block_patience == 0.0
     assert PollPolicy(yield_seconds=1e-4).block_patience == 1e-4  # ...never later
-    assert policy.await_block_patience == 2e-3  # an await hands a lone gloo wait over later
-    assert PollPolicy(oversubscribed=True).await_block_patience == 0.0
-    assert PollPolicy(yield_seconds=1e-4).await_block_patience == 1e-4
     assert policy.nap(0.0) == 1e-4 / 32  # a fresh wait naps a floor, not zero
     assert policy.nap(0.016) == 0.016 / 32  # a fraction of the time waited so far...
     assert policy.nap(10.0) == 1e-3  # ...capped at sleep_max
@@ -438,7 +435,8 @@ def test_a_lone_await_on_a_blocking_backend_is_handed_to_a_thread_that_blocks():
         engine.close("test over")
 
 
-def test_a_lone_await_on_a_blocking_backend_blocks_in_short_slices_in_the_loop():
+@pytest.mark.parametrize("oversubscribed", [False, True])
+def test_a_lone_await_on_a_blocking_backend_blocks_in_short_slices_in_the_loop(oversubscribed):
     """From block_seconds until await_block_seconds, an awaited lone gloo-like operation is
     waited for blocking in the loop's own thread (as wait() does: polling takes the CPU from
     gloo's threads, and a hand-off costs ~110 µs), one slice of at most 1 ms at a time, with
@@ -461,7 +459,7 @@ def test_a_lone_await_on_a_blocking_backend_blocks_in_short_slices_in_the_loop()
     backend.blocked = []
     ticks = [0]
     engine = Engine(policy=PollPolicy(yield_seconds=60.0, block_seconds=0.0,
-                                      await_block_seconds=60.0))
+                                      await_block_seconds=60.0, oversubscribed=oversubscribed))
     try:
         fut = submit(engine, backend, "allreduce")
 
