@@ -143,7 +143,16 @@ class Bench:
         return self._pair_stats(a, b, iters)
 
     def _pair_stats(self, a: list[float], b: list[float], iters: int) -> tuple[float, float, float]:
-        """Per call, the slowest rank's time; then both medians and the median B/A ratio."""
+        """Per call, the slowest rank's time; then both medians and the median B/A ratio.
+
+        Also kept in ``self.per_rank``: each rank's own medians, then the slowest rank's
+        (nccl-tests' reduction over ranks, with a median against this machine's noise). The
+        per-call figure is the stricter: it charges every call with whatever skew between
+        the ranks the call absorbed.
+        """
+        mine = np.array([np.median(a), np.median(b)])
+        self.raw_mpi.Allreduce(self.MPI.IN_PLACE, mine, op=self.MPI.MAX)
+        self.per_rank = (float(mine[0]), float(mine[1]))
         per_call = np.array(a + b)
         self.raw_mpi.Allreduce(self.MPI.IN_PLACE, per_call, op=self.MPI.MAX)
         a_s, b_s = per_call[:iters], per_call[iters:]
@@ -202,6 +211,7 @@ class Bench:
         mpi_submit = self.mcrdl_submit(op, t, out, "mpi")
         res["raw_mpi"], res["mpi_wait"], _ = self.time_pair(
             self.raw_mpi_call(op, t, out), self.mcrdl_wait(op, t, out, "mpi"), iters)
+        res["raw_mpi_rank"], res["mpi_wait_rank"] = self.per_rank
         _, res["raw_mpi_nb"], _ = self.time_pair(
             self.raw_mpi_call(op, t, out), self.raw_mpi_nonblocking(op, t, out), iters)
         res["mpi_await"] = self.time_pair_async(self.raw_mpi_call(op, t, out), mpi_submit,
@@ -282,7 +292,7 @@ def latency_table(bench: Bench, sizes: list[int], ops: list[str], scale: float) 
     return rows
 
 
-HEADER = (f"{'op':<10} {'size':>7} | {'raw mpi':>9} {'raw nb':>9} {'wait':>9} {'+µs':>6} {'await':>9} {'+µs':>6}"
+HEADER = (f"{'op':<10} {'size':>7} | {'raw mpi':>9} {'raw nb':>9} {'wait':>9} {'+µs':>6} {'rank':>6} {'await':>9} {'+µs':>6}"
           f" {'bw ratio':>8} | {'raw gloo':>9} {'wait':>9} {'ratio':>6} {'A/A':>5} {'await':>9}"
           f" {'ratio':>6}")
 
@@ -292,7 +302,8 @@ def format_row(r: dict) -> str:
     bw = r["raw_mpi"] / r["mpi_wait"]
     return (f"{r['op']:<10} {human(r['bytes']):>7} | {r['raw_mpi'] * us:9.1f}"
             f" {r['raw_mpi_nb'] * us:9.1f} {r['mpi_wait'] * us:9.1f}"
-            f" {(r['mpi_wait'] - r['raw_mpi']) * us:+6.1f} {r['mpi_await'] * us:9.1f}"
+            f" {(r['mpi_wait'] - r['raw_mpi']) * us:+6.1f}"
+            f" {(r['mpi_wait_rank'] - r['raw_mpi_rank']) * us:+6.1f} {r['mpi_await'] * us:9.1f}"
             f" {(r['mpi_await'] - r['raw_mpi']) * us:+6.1f} {bw:8.3f} | {r['raw_gloo'] * us:9.1f}"
             f" {r['gloo_wait'] * us:9.1f} {r['gloo_ratio']:6.2f} {r['gloo_aa']:5.2f}"
             f" {r['gloo_await'] * us:9.1f} {r['gloo_await_ratio']:6.2f}")
@@ -312,6 +323,7 @@ def main() -> None:
     if comm.rank == 0:
         print(f"# mcrdl {mcrdl.__version__} overhead, {comm.size} ranks, {os.cpu_count()} cores;"
               " median µs of the slowest rank; raw nb = Ixxx + Test loop; +µs = mcrdl - raw mpi;"
+              " rank = the same from each rank's own medians, slowest rank (nccl-tests' way);"
               " bw ratio = raw/mcrdl time;\n# gloo ratio = median of per-pair mcrdl/raw; A/A = raw gloo"
               " timed against itself (the noise floor)")
     if args.section in ("latency", "all"):

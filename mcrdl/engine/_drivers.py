@@ -257,7 +257,8 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
                 # Block in the backend here, one short slice at a time, with one loop
                 # iteration for the other tasks between slices.
                 _block_slice(engine, fut, _AWAIT_SLICE)
-                yield
+                if fut._state < DONE:
+                    yield
                 continue
             if waited >= patience and not engine.needs_polls():
                 if engine.has_background:
