@@ -200,7 +200,8 @@ def _block(engine: Engine, fut: CommFuture, deadline: float | None) -> None:
 
 def _block_slice(engine: Engine, fut: CommFuture, seconds: float) -> None:
     """Block in ``fut``'s backend for it up to ``seconds``, then poll (which settles it)."""
-    request = fut._request
+    # Read without the lock: a thread issuing fut just now sets its state before its request.
+    request = getattr(fut, "_request", None)
     if request is not None:
         fut.lane.backend.block(request, seconds)
     engine.poll_once()
