@@ -374,6 +374,9 @@ def test_poll_policy_idling_is_derived_from_its_settings():
     assert policy.block_patience == 3e-4  # a lone gloo wait blocks sooner than it sleeps...
     assert PollPolicy(oversubscribed=True).block_patience == 0.0
     assert PollPolicy(yield_seconds=1e-4).block_patience == 1e-4  # ...never later
+    assert policy.block_after(4) == 3e-4  # a small lone gloo operation is polled first...
+    assert policy.block_after((1 << 20) - 1) == 3e-4
+    assert policy.block_after(1 << 20) == 0.0  # ...a large one is blocked on at once
     assert policy.nap(0.0) == 1e-4 / 32  # a fresh wait naps a floor, not zero
     assert policy.nap(0.016) == 0.016 / 32  # a fraction of the time waited so far...
     assert policy.nap(10.0) == 1e-3  # ...capped at sleep_max
@@ -397,6 +400,31 @@ def test_a_lone_wait_on_a_blocking_backend_blocks_after_block_seconds():
     backend.blocked = []
     engine = Engine(background=False, policy=PollPolicy(yield_seconds=60.0, block_seconds=0.0))
     fut = submit(engine, backend, "allreduce")
+    fut.wait(timeout=5.0)
+    assert fut.done() and len(backend.blocked) == 1
+
+
+def test_a_large_lone_wait_on_a_blocking_backend_blocks_at_once():
+    """An operation of block_bytes or more is blocked on without polling first: with
+    block_seconds and yield_seconds at 60 s, a smaller one would poll past its timeout."""
+    from dataclasses import replace
+
+    from mcrdl.engine import PollPolicy
+
+    class Blocking(ManualBackend):
+        def block(self, request, timeout):
+            self.blocked.append(request)
+            self.finish(request)
+            return True
+
+    caps = replace(ManualBackend.capabilities, self_progressing=True, blocking_wait=True)
+    backend = Blocking(name="gloo", capabilities=caps)
+    backend.blocked = []
+    policy = PollPolicy(yield_seconds=60.0, block_seconds=60.0)
+    engine = Engine(background=False, policy=policy)
+    lane = engine.lane(backend, backend.world(), "world")
+    fut = engine.submit("allreduce", lane, 1, backend.start_allreduce, ("allreduce",), (), (),
+                        None, nbytes=policy.block_bytes)
     fut.wait(timeout=5.0)
     assert fut.done() and len(backend.blocked) == 1
 
