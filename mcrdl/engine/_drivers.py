@@ -21,7 +21,8 @@ Before any of that, a waiter on the only unfinished operation of a backend that 
 only while polled (MPI) spins on that request with direct tests (``Engine.spin_lone``): a
 test costs ~0.2 µs where a poll of every track costs ~0.7, and it took a small allreduce's
 ``.wait()`` from 5.0 to 3.4 µs over raw MPI. A lone gloo operation is instead waited for
-blocking in gloo after ``block_seconds``: by ``wait()`` until it ends; by ``await`` in slices
+blocking in gloo after ``block_seconds`` (at once from ``block_bytes``): by ``wait()`` until
+it ends; by ``await`` in slices
 of at most 1 ms in the loop's own thread, then, after ``await_block_seconds``, through the
 background thread. ``benchmarks/overhead.py`` measures the result.
 """
@@ -232,7 +233,8 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
     A wait longer than ``yield_seconds`` is handed to the background thread, which resolves
     an asyncio future through ``call_soon_threadsafe``: by then the ~70 µs hand-off is noise,
     and the loop can sleep instead of spinning. A lone operation on a backend that can block
-    (gloo) is waited for blocking in it from ``block_seconds`` on, as ``wait()`` does, since
+    (gloo) is waited for blocking in it from ``block_seconds`` on (at once from
+    ``block_bytes``), as ``wait()`` does, since
     yield-polling it takes the CPU from gloo's own threads: one slice of at most 1 ms at a
     time, with one loop iteration between slices, and after ``await_block_seconds`` through
     the background thread. Against raw gloo, per-pair medians of 12 points (16 KiB-4 MiB,
