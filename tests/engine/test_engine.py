@@ -6,6 +6,8 @@ No threads, no sleeps: the test drives ``poll_once()`` and asserts on the record
 from __future__ import annotations
 
 import asyncio
+import threading
+from dataclasses import replace
 
 import pytest
 
@@ -49,11 +51,12 @@ def gloo() -> ManualBackend:
     return ManualBackend(name="gloo", self_progressing=True)
 
 
-def submit(engine, backend, kind, reads=(), writes=(), after=(), comm="world", result=None):
+def submit(engine, backend, kind, reads=(), writes=(), after=(), comm="world", result=None,
+           nbytes=0):
     lane = engine.lane(backend, backend.world(), comm)
     seq = submit.seq = getattr(submit, "seq", 0) + 1
     return engine.submit(kind, lane, seq, getattr(backend, f"start_{kind}"), (kind,),
-                         tuple(reads), tuple(writes), result, after=after)
+                         tuple(reads), tuple(writes), result, after=after, nbytes=nbytes)
 
 
 def finish(engine, backend, i, error=None):
@@ -382,22 +385,30 @@ def test_poll_policy_idling_is_derived_from_its_settings():
     assert policy.nap(10.0) == 1e-3  # ...capped at sleep_max
 
 
+class _Blocking(ManualBackend):
+    """A gloo-like backend (self-progressing, can block in a request): every ``block`` is
+    recorded as (thread, timeout, ``probe()``), and the ``finish_on``-th finishes the request."""
+
+    def __init__(self, finish_on=1, probe=lambda: None):
+        super().__init__(name="gloo", capabilities=replace(
+            ManualBackend.capabilities, self_progressing=True, blocking_wait=True))
+        self.finish_on, self.probe = finish_on, probe
+        self.blocked = []
+
+    def block(self, request, timeout):
+        self.blocked.append((threading.current_thread(), timeout, self.probe()))
+        finished = len(self.blocked) == self.finish_on
+        if finished:
+            self.finish(request)
+        return finished
+
+
 def test_a_lone_wait_on_a_blocking_backend_blocks_after_block_seconds():
     """block_seconds, not yield_seconds, decides when a lone gloo-like wait blocks: with
     yield_seconds at 60 s the wait would otherwise yield-poll past its 5 s timeout."""
-    from dataclasses import replace
-
     from mcrdl.engine import PollPolicy
 
-    class Blocking(ManualBackend):
-        def block(self, request, timeout):
-            self.blocked.append(request)
-            self.finish(request)
-            return True
-
-    caps = replace(ManualBackend.capabilities, self_progressing=True, blocking_wait=True)
-    backend = Blocking(name="gloo", capabilities=caps)
-    backend.blocked = []
+    backend = _Blocking()
     engine = Engine(background=False, policy=PollPolicy(yield_seconds=60.0, block_seconds=0.0))
     fut = submit(engine, backend, "allreduce")
     fut.wait(timeout=5.0)
@@ -407,24 +418,12 @@ def test_a_lone_wait_on_a_blocking_backend_blocks_after_block_seconds():
 def test_a_large_lone_wait_on_a_blocking_backend_blocks_at_once():
     """An operation of block_bytes or more is blocked on without polling first: with
     block_seconds and yield_seconds at 60 s, a smaller one would poll past its timeout."""
-    from dataclasses import replace
-
     from mcrdl.engine import PollPolicy
 
-    class Blocking(ManualBackend):
-        def block(self, request, timeout):
-            self.blocked.append(request)
-            self.finish(request)
-            return True
-
-    caps = replace(ManualBackend.capabilities, self_progressing=True, blocking_wait=True)
-    backend = Blocking(name="gloo", capabilities=caps)
-    backend.blocked = []
+    backend = _Blocking()
     policy = PollPolicy(yield_seconds=60.0, block_seconds=60.0)
     engine = Engine(background=False, policy=policy)
-    lane = engine.lane(backend, backend.world(), "world")
-    fut = engine.submit("allreduce", lane, 1, backend.start_allreduce, ("allreduce",), (), (),
-                        None, nbytes=policy.block_bytes)
+    fut = submit(engine, backend, "allreduce", nbytes=policy.block_bytes)
     fut.wait(timeout=5.0)
     assert fut.done() and len(backend.blocked) == 1
 
@@ -434,21 +433,9 @@ def test_a_lone_await_on_a_blocking_backend_is_handed_to_a_thread_that_blocks():
     thread, which blocks in the backend for it (the event loop then sleeps instead of taking
     the CPU from gloo's threads); with yield_seconds at 60 s the await would otherwise poll
     past its 5 s timeout."""
-    import asyncio
-    import threading
-    from dataclasses import replace
-
     from mcrdl.engine import PollPolicy
 
-    class Blocking(ManualBackend):
-        def block(self, request, timeout):
-            self.blocked.append(threading.current_thread())
-            self.finish(request)
-            return True
-
-    caps = replace(ManualBackend.capabilities, self_progressing=True, blocking_wait=True)
-    backend = Blocking(name="gloo", capabilities=caps)
-    backend.blocked = []
+    backend = _Blocking()
     engine = Engine(policy=PollPolicy(yield_seconds=60.0, await_block_seconds=0.0))
     try:
         fut = submit(engine, backend, "allreduce")
@@ -458,7 +445,8 @@ def test_a_lone_await_on_a_blocking_backend_is_handed_to_a_thread_that_blocks():
 
         asyncio.run(main())
         assert fut.done()
-        assert len(backend.blocked) == 1 and backend.blocked[0] is not threading.main_thread()
+        assert len(backend.blocked) == 1
+        assert backend.blocked[0][0] is not threading.main_thread()
     finally:
         engine.close("test over")
 
@@ -470,22 +458,10 @@ def test_a_lone_await_on_a_blocking_backend_blocks_in_short_slices_in_the_loop(o
     gloo's threads, and a hand-off costs ~110 µs), one slice of at most 1 ms at a time, with
     the loop's other tasks running between slices; with yield_seconds at 60 s the await
     would otherwise poll past its 5 s timeout."""
-    import threading
-    from dataclasses import replace
-
     from mcrdl.engine import PollPolicy
 
-    class Blocking(ManualBackend):
-        def block(self, request, timeout):
-            self.blocked.append((threading.current_thread(), timeout, ticks[0]))
-            if len(self.blocked) == 3:
-                self.finish(request)
-            return len(self.blocked) == 3
-
-    caps = replace(ManualBackend.capabilities, self_progressing=True, blocking_wait=True)
-    backend = Blocking(name="gloo", capabilities=caps)
-    backend.blocked = []
     ticks = [0]
+    backend = _Blocking(finish_on=3, probe=lambda: ticks[0])
     engine = Engine(policy=PollPolicy(yield_seconds=60.0, block_seconds=0.0,
                                       await_block_seconds=60.0, oversubscribed=oversubscribed))
     try:
@@ -569,8 +545,6 @@ def test_a_lone_spin_stops_when_another_operation_arrives():
     meanwhile is polled soon after (rule 5 of DESIGN.md: the spin cannot interleave with the
     submitter, which waits for the engine's lock or the GIL); and a wait that starts with
     two in flight never spins."""
-    import threading
-
     backend = _Counting(after=10**9)
     engine = Engine(background=False)
     first = submit(engine, backend, "allreduce")
