@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -33,6 +34,23 @@ import mcrdl  # noqa: E402
 from common import alternate, human, parse_sizes  # noqa: E402
 
 OPS = ("allreduce", "alltoall", "allgather", "broadcast")
+
+
+class Pair(NamedTuple):
+    """Two calls timed in alternating pairs, reduced over the ranks.
+
+    ``a`` and ``b``: the median over calls of the slowest rank's time; ``ratio``: the median
+    of the per-pair ratios B/A (a drift of the machine between pairs cancels in it);
+    ``a_rank`` and ``b_rank``: each rank's own median, then the slowest rank's (nccl-tests'
+    reduction over ranks, with a median against this machine's noise). The per-call figures
+    are the stricter: they charge every call with whatever skew between the ranks it absorbed.
+    """
+
+    a: float
+    b: float
+    ratio: float
+    a_rank: float
+    b_rank: float
 
 
 def iters_for(nbytes: int, scale: float) -> int:
@@ -128,37 +146,26 @@ class Bench:
 
     # -- timing ------------------------------------------------------------------------
 
-    def time_pair(self, call_a, call_b, iters: int) -> tuple[float, float, float]:
-        """Time two calls alternately, so that both see the same machine (it drifts here).
-
-        Returns the median over calls of the slowest rank's time for each, and the median of
-        the per-pair ratios B/A (a drift of the machine between pairs cancels in it).
-        """
+    def time_pair(self, call_a, call_b, iters: int) -> Pair:
+        """Time two calls alternately, so that both see the same machine (it drifts here)."""
         self.sync()
         for _ in range(min(10, iters)):
             call_a()
             call_b()
         self.sync()
         a, b = alternate(call_a, call_b, iters)
-        return self._pair_stats(a, b, iters)
+        return self._pair(a, b, iters)
 
-    def _pair_stats(self, a: list[float], b: list[float], iters: int) -> tuple[float, float, float]:
-        """Per call, the slowest rank's time; then both medians and the median B/A ratio.
-
-        Also kept in ``self.per_rank``: each rank's own medians, then the slowest rank's
-        (nccl-tests' reduction over ranks, with a median against this machine's noise). The
-        per-call figure is the stricter: it charges every call with whatever skew between
-        the ranks the call absorbed.
-        """
+    def _pair(self, a: list[float], b: list[float], iters: int) -> Pair:
         mine = np.array([np.median(a), np.median(b)])
         self.raw_mpi.Allreduce(self.MPI.IN_PLACE, mine, op=self.MPI.MAX)
-        self.per_rank = (float(mine[0]), float(mine[1]))
         per_call = np.array(a + b)
         self.raw_mpi.Allreduce(self.MPI.IN_PLACE, per_call, op=self.MPI.MAX)
         a_s, b_s = per_call[:iters], per_call[iters:]
-        return float(np.median(a_s)), float(np.median(b_s)), float(np.median(b_s / a_s))
+        return Pair(float(np.median(a_s)), float(np.median(b_s)), float(np.median(b_s / a_s)),
+                    float(mine[0]), float(mine[1]))
 
-    def time_pair_async(self, call_a, submit_b, iters: int) -> tuple[float, float, float]:
+    def time_pair_async(self, call_a, submit_b, iters: int) -> Pair:
         """``time_pair`` with B awaited (``await submit_b()``) inside a running event loop
         (uvloop when installed); A, a plain blocking call, runs in the same loop."""
 
@@ -195,7 +202,7 @@ class Bench:
             a, b = uvloop.run(run())
         except ImportError:
             a, b = asyncio.run(run())
-        return self._pair_stats(a, b, iters)
+        return self._pair(a, b, iters)
 
     def latency_point(self, op: str, nbytes: int, scale: float) -> dict[str, float]:
         n = self.n
@@ -207,29 +214,26 @@ class Bench:
             t.zero_()  # sums of zeros stay finite however often they run
         out = torch.empty(elems * (n if op == "allgather" else 1), dtype=torch.float32)
         iters = iters_for(nbytes, scale)
-        res: dict[str, float] = {}
-        mpi_submit = self.mcrdl_submit(op, t, out, "mpi")
-        res["raw_mpi"], res["mpi_wait"], _ = self.time_pair(
-            self.raw_mpi_call(op, t, out), self.mcrdl_wait(op, t, out, "mpi"), iters)
-        res["raw_mpi_rank"], res["mpi_wait_rank"] = self.per_rank
-        _, res["raw_mpi_nb"], _ = self.time_pair(
-            self.raw_mpi_call(op, t, out), self.raw_mpi_nonblocking(op, t, out), iters)
-        res["mpi_await"] = self.time_pair_async(self.raw_mpi_call(op, t, out), mpi_submit,
-                                                iters)[1]
+        raw_mpi = self.raw_mpi_call(op, t, out)
+        wait = self.time_pair(raw_mpi, self.mcrdl_wait(op, t, out, "mpi"), iters)
+        nonblocking = self.time_pair(raw_mpi, self.raw_mpi_nonblocking(op, t, out), iters)
+        awaited = self.time_pair_async(raw_mpi, self.mcrdl_submit(op, t, out, "mpi"), iters)
         # gloo's ratios need more pairs than MPI's at large sizes: its times spread more here.
         giters = max(3, iters // 4) if nbytes <= 4096 else max(iters, int(40 * scale))
-        gloo_submit = self.mcrdl_submit(op, t, out, "gloo")
         raw_gloo = self.raw_gloo_call(op, t, out)
-        res["raw_gloo"], res["gloo_wait"], gloo_ratio = self.time_pair(
-            raw_gloo, self.mcrdl_wait(op, t, out, "gloo"), giters)
+        gloo_wait = self.time_pair(raw_gloo, self.mcrdl_wait(op, t, out, "gloo"), giters)
         # The noise floor of that ratio: raw gloo timed against itself, the same way.
-        gloo_aa = self.time_pair(raw_gloo, raw_gloo, giters)[2]
-        _, res["gloo_await"], gloo_await_ratio = self.time_pair_async(raw_gloo, gloo_submit, giters)
-        out = {k: self.slowest(v) for k, v in res.items()}
-        # The same on every rank already: per-call slowest-rank times.
-        out["gloo_ratio"], out["gloo_aa"], out["gloo_await_ratio"] = (
-            gloo_ratio, gloo_aa, gloo_await_ratio)
-        return out
+        gloo_aa = self.time_pair(raw_gloo, raw_gloo, giters)
+        gloo_await = self.time_pair_async(raw_gloo, self.mcrdl_submit(op, t, out, "gloo"), giters)
+        # Every figure is reduced over the ranks already (Pair): the same on every rank.
+        return {
+            "raw_mpi": wait.a, "mpi_wait": wait.b,
+            "raw_mpi_rank": wait.a_rank, "mpi_wait_rank": wait.b_rank,
+            "raw_mpi_nb": nonblocking.b, "mpi_await": awaited.b,
+            "raw_gloo": gloo_wait.a, "gloo_wait": gloo_wait.b, "gloo_ratio": gloo_wait.ratio,
+            "gloo_aa": gloo_aa.ratio, "gloo_await": gloo_await.b,
+            "gloo_await_ratio": gloo_await.ratio,
+        }
 
     def inflight_point(self, count: int, reps: int) -> dict[str, float]:
         """Submit ``count`` independent 4-byte allreduces on mpi, then wait for all.
