@@ -540,6 +540,21 @@ def test_a_lone_wait_spins_on_its_request_and_settles_it():
     assert slow.one_tests == 0 and slow.tests > 0
 
 
+def test_the_contract_default_test_one_reports_a_failed_request():
+    """Backend.test_one, for a backend that does not override it, answers through test():
+    a request that finished with an error raises it, and the lone spin fails the future."""
+    backend = ManualBackend()
+    engine = Engine(background=False)
+    fut = submit(engine, backend, "allreduce")
+    assert backend.test_one(backend.started[0]) is False
+    backend.finish(backend.started[0], BackendError("manual link down"))
+    with pytest.raises(BackendError, match="manual link down"):
+        backend.test_one(backend.started[0])
+    with pytest.raises(BackendError, match="manual link down"):
+        fut.wait(timeout=5.0)
+    assert fut.state == "FAILED" and engine.in_flight() == 0
+
+
 def test_a_lone_spin_stops_when_another_operation_arrives():
     """A spin is bounded (lone_spins tests), so an operation that another thread submits
     meanwhile is polled soon after (rule 5 of DESIGN.md: the spin cannot interleave with the
