@@ -290,6 +290,14 @@ def test_backend_error_fails_the_future_and_its_dependants_not_the_process(comm)
             bad.wait()
         assert good.wait() is ok and ok.tolist() == [0, 1]
     comm.barrier().wait()
+    # Alone in flight, the receive is waited for by the lone spin (MPI's test_one).
+    if comm.rank == 0:
+        comm.send(np.arange(5, dtype=np.int32), 1, tag=5, backend="mpi").wait()
+    elif comm.rank == 1:
+        lone = comm.recv(np.zeros(2, dtype=np.int32), 0, tag=5, backend="mpi")
+        with pytest.raises(BackendError, match=r"^MPI: .*runcat"):
+            lone.wait()
+    comm.barrier().wait()
 
 
 def test_dependant_of_failed_op_fails(comm):
