@@ -227,21 +227,11 @@ class Communicator:
             )
         return rows
 
-    def _out(self, kind: OpKind, out: Any, b: Buffer, shape: tuple[int, ...]) -> Buffer:
-        """Check a caller's ``out`` (or allocate one) for a result of ``shape``."""
-        if out is None:
+    def _out(self, kind: OpKind, out: Any, b: Buffer, shape: tuple[int, ...] | None) -> Buffer:
+        """Check a caller's ``out`` for a result of ``shape`` (None: any shape), or allocate
+        one. One call level for the whole check: it runs on every call that passes ``out``."""
+        if out is None and shape is not None:
             return new_buffer(b.empty(shape), b[4], b[1])
-        o = self._given_out(kind, out, b)
-        if o[0].shape != shape:  # torch.Size and numpy shapes compare equal to tuples
-            raise ValueError(
-                f"out has shape {tuple(o.shape)}; {kind.value} of buf with shape "
-                f"{tuple(b.shape)} on {self.size} ranks needs {tuple(shape)}"
-            )
-        return o
-
-    @staticmethod
-    def _given_out(kind: OpKind, out: Any, b: Buffer) -> Buffer:
-        """A caller's ``out``, checked for what does not depend on its shape."""
         o = as_buffer(out, "out", True)
         if o[1] is not b[1]:
             raise TypeError(
@@ -250,6 +240,11 @@ class Communicator:
         if o[2] and b[2] and o[3] < b[3] + b[2] and b[3] < o[3] + o[2]:
             raise ValueError(
                 f"out overlaps buf; {kind.value} cannot run in place: pass a separate out"
+            )
+        if shape is not None and o[0].shape != shape:  # torch.Size, numpy shapes == tuples
+            raise ValueError(
+                f"out has shape {tuple(o.shape)}; {kind.value} of buf with shape "
+                f"{tuple(b.shape)} on {self.size} ranks needs {tuple(shape)}"
             )
         return o
 
@@ -407,9 +402,11 @@ class Communicator:
                                 (slot.group, b, o), _ranges(b), _ranges(o), o[0], None, after,
                                 b[2])
         self._seq = seq = self._seq + 1
+        n, m = b[2], o[2]  # _ranges(b) and _ranges(o), written out (b is the caller's)
         return self._engine.submit("allgather", slot.lane, seq, slot.backend.start_allgather,
-                                   (slot.group, b, o), _ranges(b), _ranges(o), o[0], None,
-                                   after, b[2])
+                                   (slot.group, b, o), ((b[3], b[3] + n),) if n else _NO_RANGES,
+                                   ((o[3], o[3] + m),) if m and not o[5] else _NO_RANGES, o[0],
+                                   None, after, n)
 
     def scatter(
         self, buf: Any, root: int = 0, out: Any = None, *, backend: str | None = None,
@@ -489,9 +486,11 @@ class Communicator:
                                 (slot.group, b, o), _ranges(b), _ranges(o), o[0], None, after,
                                 b[2])
         self._seq = seq = self._seq + 1
+        n, m = b[2], o[2]  # _ranges(b) and _ranges(o), written out (b is the caller's)
         return self._engine.submit("alltoall", slot.lane, seq, slot.backend.start_alltoall,
-                                   (slot.group, b, o), _ranges(b), _ranges(o), o[0], None,
-                                   after, b[2])
+                                   (slot.group, b, o), ((b[3], b[3] + n),) if n else _NO_RANGES,
+                                   ((o[3], o[3] + m),) if m and not o[5] else _NO_RANGES, o[0],
+                                   None, after, n)
 
     def alltoallv(
         self,
@@ -561,7 +560,7 @@ class Communicator:
         self, b: Buffer, send: tuple[int, ...], tail: tuple[int, ...], out: Any,
         backend: str | None, after: Sequence[CommFuture],
     ) -> CommFuture:
-        o_given = None if out is None else self._given_out(OpKind.ALLTOALLV, out, b)
+        o_given = None if out is None else self._out(OpKind.ALLTOALLV, out, b, None)
         if o_given is not None and tuple(o_given.shape[1:]) != tail:
             raise ValueError(f"out has shape {tuple(o_given.shape)}; alltoallv of buf with "
                              f"shape {tuple(b.shape)} needs (sum(recv_counts), *{tail})")

@@ -312,7 +312,13 @@ class MPIBackend(Backend):
         return group.comm.Igather(self._msg(buf), recv, root)
 
     def start_allgather(self, group: _MPIGroup, buf: Buffer, out: Buffer) -> Request:
-        return group.comm.Iallgather(*self._pair(buf, out))
+        # _pair, written out (a call level and a tuple fewer on a hot path)
+        obj, dtype, nbytes, start, is_torch, _ = buf
+        mpitype = self._types[dtype]
+        fa = self._fromaddress
+        return group.comm.Iallgather(
+            [fa(start, nbytes) if is_torch else obj, mpitype],
+            [fa(out[3], out[2]) if out[4] else out[0], mpitype])
 
     def start_scatter(self, group: _MPIGroup, buf: Buffer | None, out: Buffer, root: int) -> Request:
         send = self._msg(buf) if buf is not None else None
@@ -326,7 +332,12 @@ class MPIBackend(Backend):
         return group.comm.Ireduce_scatter_block(*self._pair(buf, out), mop)
 
     def start_alltoall(self, group: _MPIGroup, buf: Buffer, out: Buffer) -> Request:
-        return group.comm.Ialltoall(*self._pair(buf, out))
+        obj, dtype, nbytes, start, is_torch, _ = buf  # _pair, written out (as in allgather)
+        mpitype = self._types[dtype]
+        fa = self._fromaddress
+        return group.comm.Ialltoall(
+            [fa(start, nbytes) if is_torch else obj, mpitype],
+            [fa(out[3], out[2]) if out[4] else out[0], mpitype])
 
     def start_alltoallv(
         self,
