@@ -120,15 +120,28 @@ class Engine:
         #: When the caller last submitted or stopped waiting (the background thread keeps out
         #: of a caller that is busy with the engine).
         self.last_active = 0.0
-        #: Called by a waiter instead of yielding the CPU between idle polls (the simulated
-        #: world hands control to its scheduler here); None in real runs.
-        self.idle_hook: Callable[[], None] | None = None
+        # The bursts of Engine.spin_lone (none on an oversubscribed node or with an idle
+        # hook), set with the hook.
+        self.idle_hook = None
         # Counters: submitted and issued are derived in stats() (two fewer increments per op).
         self._n_completed = self._n_failed = self._n_cancelled = self._n_polls = 0
         self._n_dropped = 0  # failed or cancelled before they were issued
         self._thread: _drivers.ProgressThread | None = (
             _drivers.ProgressThread(self) if background else None
         )
+
+    @property
+    def idle_hook(self) -> Callable[[], None] | None:
+        """Called by a waiter instead of yielding the CPU between idle polls (the simulated
+        world hands control to its scheduler here, and its ranks progress only there: no
+        lone spin then); None in real runs."""
+        return self._idle_hook
+
+    @idle_hook.setter
+    def idle_hook(self, hook: Callable[[], None] | None) -> None:
+        self._idle_hook = hook
+        self._lone_bursts = range(0 if hook is not None or self.policy.oversubscribed
+                                  else self.policy.lone_spins // _BURST)
 
     # -- lanes ---------------------------------------------------------------------------
 
@@ -213,7 +226,17 @@ class Engine:
                 else:
                     fut = CommFuture(self, kind, lane, seq, None, args, reads, writes, result,
                                      finish, nbytes, now)
-                    self._issued(fut, req, now)
+                    # _issued and Track.add, written out (two calls fewer per operation)
+                    fut.t_issue = now
+                    fut._state = ISSUED
+                    if req is None:  # finished during the start call
+                        self._work.append((fut, None))
+                    else:
+                        fut._request = req
+                        track = lane.track
+                        track.futs.append(fut)
+                        track.reqs.append(req)
+                        track.live += 1
                 self._unindexed = fut
                 if self._work:
                     self._run_work()
@@ -466,17 +489,15 @@ class Engine:
         MPI allreduce's ``.wait()`` at 2 ranks went from +5.0 to +3.4 µs over a raw blocking
         call this way (20,000 alternated pairs).
         """
-        policy = self.policy
         lane = fut.lane
-        if (fut._state != ISSUED or self._unfinished != 1 or not lane.spins_alone
-                or policy.oversubscribed or self.idle_hook is not None):
+        if fut._state != ISSUED or self._unfinished != 1 or not lane.spins_alone:
             return False
         lock = self._lock
         track = lane.track
         test = track.backend.test_one
         request = fut._request
         burst = range(_BURST)
-        for _ in range(0, policy.lone_spins, _BURST):
+        for _ in self._lone_bursts:  # none where spinning is not safe
             if not lock.acquire(False):
                 return False
             try:
@@ -501,8 +522,27 @@ class Engine:
                 track.futs = []
                 track.reqs = []
                 track.first = track.live = track.rot = 0
-                self._settle(fut, error)
-                self.last_active = fut.t_done
+                if error is None and fut._finish is None and fut is self._unindexed:
+                    # _settle's common case, written out for the commonest wait of all: a
+                    # call level here is ~0.1 µs of every small lone .wait() (20,000
+                    # alternated pairs at 2 ranks: +4.5 -> +4.4 µs over raw MPI allreduce).
+                    self._unindexed = None
+                    fut.t_done = now = self.last_active = self._clock()
+                    self._unfinished -= 1
+                    self._n_completed += 1
+                    fut._state = DONE
+                    lane.history.append((fut.kind, fut.seq, DONE, fut.nbytes, fut.t_submit,
+                                         fut.t_issue, now, ""))
+                    fut._args = fut._request = None
+                    callbacks = fut._callbacks
+                    fut._callbacks = None
+                    if callbacks:
+                        self._due.extend((cb, fut) for cb in callbacks)
+                    if fut._dependants:
+                        self._release(fut, None)
+                else:
+                    self._settle(fut, error)
+                    self.last_active = fut.t_done
                 if self._work:
                     self._run_work()
             finally:

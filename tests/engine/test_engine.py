@@ -520,10 +520,29 @@ def test_a_lone_wait_spins_on_its_request_and_settles_it():
 
     backend = _Counting(after=5)
     engine = Engine(background=False)
-    fut = submit(engine, backend, "allreduce", result="r")
+    fut = submit(engine, backend, "allreduce", result="r", nbytes=64)
+    seen = []
+    fut.add_done_callback(seen.append)
     assert fut.wait(timeout=5.0) == "r"
     assert backend.one_tests == 5 and backend.tests == 0
     assert engine.in_flight() == 0 and fut.lane.track.live == 0
+    # Settled in full: counted, its callback run once, and in its lane's flight record.
+    assert seen == [fut] and engine.stats().completed == 1
+    (record,) = fut.lane.records()
+    assert (record.kind, record.seq, record.state, record.nbytes) == ("allreduce", fut.seq,
+                                                                      "DONE", 64)
+    assert record.t_submit <= record.t_issue <= record.t_done == fut.t_done
+    assert fut._args is None  # buffers released at once
+
+    # A simulated world progresses only in its idle hook: no lone spin there, and spinning
+    # resumes once the hook is gone.
+    hooked = _Counting(after=3)
+    engine = Engine(background=False)
+    engine.idle_hook = lambda: None
+    fut = submit(engine, hooked, "allreduce")
+    assert engine.spin_lone(fut) is False and hooked.one_tests == 0
+    engine.idle_hook = None
+    assert engine.spin_lone(fut) is True and hooked.one_tests == 3
 
     failing = _Counting(after=2, error=BackendError("link down"))
     engine = Engine(background=False)
