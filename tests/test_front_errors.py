@@ -156,6 +156,17 @@ def test_wrong_out(comm):
     with pytest.raises(ValueError, match=exact(
             "out has shape (8, 3); allgather of buf with shape (4, 3) on 4 ranks needs (16, 3)")):
         comm.allgather(t, out=torch.empty(8, 3))
+    # 1-d buffers: the rows and the number of dims must match too
+    v = torch.ones(4)
+    with pytest.raises(ValueError, match=exact(
+            "out has shape (16, 1); allgather of buf with shape (4,) on 4 ranks needs (16,)")):
+        comm.allgather(v, out=torch.empty(16, 1))
+    with pytest.raises(ValueError, match=exact(
+            "out has shape (8,); allgather of buf with shape (4,) on 4 ranks needs (16,)")):
+        comm.allgather(v, out=torch.empty(8))
+    with pytest.raises(ValueError, match=exact(
+            "out has shape (1, 1); reduce_scatter of buf with shape (4,) on 4 ranks needs (1,)")):
+        comm.reduce_scatter(v, out=torch.empty(1, 1))
     with pytest.raises(TypeError, match=exact(
             "out has dtype float64 but buf has float32; they must match")):
         comm.alltoall(t, out=torch.empty(4, 3, dtype=torch.float64))
