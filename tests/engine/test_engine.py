@@ -621,7 +621,9 @@ def test_a_lone_spin_stops_when_another_operation_arrives():
 def test_hazard_index_orders_every_overlap_through_churn():
     """Random adds and in-order-of-readiness removals over a small address pool, long enough
     that dead starts are reused and compacted: every overlapping unfinished access with a
-    write on either side is a dependency, directly or through the dependencies it records."""
+    write on either side is a dependency, directly or through the dependencies it records.
+    Some operations fail or are cancelled at any time, taking their dependants with them, as
+    the engine fails them: what they leave behind is still ordered."""
     import random
 
     from mcrdl.engine._hazards import HazardIndex
@@ -640,7 +642,22 @@ def test_hazard_index_orders_every_overlap_through_churn():
     def overlap(a, b) -> bool:
         return any(s < e2 and s2 < e for s, e in a for s2, e2 in b)
 
+    def fail(first: int) -> None:  # first ends abnormally; its dependants fail with it
+        doomed, todo = [first], [first]
+        while todo:
+            gone = todo.pop()
+            for o, (_, _, deps) in live.items():
+                if gone in deps and o not in doomed:
+                    doomed.append(o)
+                    todo.append(o)
+        for o in doomed:
+            reads, writes, _ = live.pop(o)
+            index.remove(o, reads, writes, False)
+
     for op in range(6000):
+        if live and rng.random() < 0.03:
+            fail(rng.choice(list(live)))
+            continue
         if live and (len(live) > 300 or rng.random() < 0.45):
             ready = [o for o, (_, _, deps) in live.items() if not deps & live.keys()]
             done = rng.choice(ready)
