@@ -109,7 +109,7 @@ class Engine:
         self._unfinished = 0
         self._closed = False
         self._closed_why = ""
-        self.policy = policy or _drivers.PollPolicy()
+        self._policy = policy or _drivers.PollPolicy()
         #: Seconds an issued operation may stay unfinished before it fails (None: forever).
         self.timeout = timeout
         self._on_timeout = on_timeout
@@ -131,6 +131,11 @@ class Engine:
         )
 
     @property
+    def policy(self) -> _drivers.PollPolicy:
+        """How drivers idle between polls; fixed when the engine is made."""
+        return self._policy
+
+    @property
     def idle_hook(self) -> Callable[[], None] | None:
         """Called by a waiter instead of yielding the CPU between idle polls (the simulated
         world hands control to its scheduler here, and its ranks progress only there: no
@@ -140,8 +145,9 @@ class Engine:
     @idle_hook.setter
     def idle_hook(self, hook: Callable[[], None] | None) -> None:
         self._idle_hook = hook
-        self._lone_bursts = range(0 if hook is not None or self.policy.oversubscribed
-                                  else self.policy.lone_spins // _BURST)
+        policy = self._policy
+        self._lone_bursts = range(0 if hook is not None or policy.oversubscribed
+                                  else policy.lone_spins // _BURST)
 
     # -- lanes ---------------------------------------------------------------------------
 
@@ -569,7 +575,7 @@ class Engine:
 
     def spin_ok(self) -> bool:
         """Whether a waiter may spin: no in-flight backend needs the CPU for its own threads."""
-        if self.policy.oversubscribed:
+        if self._policy.oversubscribed:
             return False
         for track in self._track_list:
             if track.self_progressing and track.live:
