@@ -120,9 +120,13 @@ class Engine:
         #: When the caller last submitted or stopped waiting (the background thread keeps out
         #: of a caller that is busy with the engine).
         self.last_active = 0.0
-        # The bursts of Engine.spin_lone (none on an oversubscribed node or with an idle
-        # hook), set with the hook.
-        self.idle_hook = None
+        #: Called by a waiter instead of yielding the CPU between idle polls (the simulated
+        #: world hands control to its scheduler here, and its ranks progress only there: no
+        #: lone spin then); None in real runs.
+        self.idle_hook: Callable[[], None] | None = None
+        # The bursts of spin_lone: none on an oversubscribed node (the policy is fixed).
+        self._lone_bursts = range(0 if self._policy.oversubscribed
+                                  else self._policy.lone_spins // _BURST)
         # Counters: submitted and issued are derived in stats() (two fewer increments per op).
         self._n_completed = self._n_failed = self._n_cancelled = self._n_polls = 0
         self._n_dropped = 0  # failed or cancelled before they were issued
@@ -134,20 +138,6 @@ class Engine:
     def policy(self) -> _drivers.PollPolicy:
         """How drivers idle between polls; fixed when the engine is made."""
         return self._policy
-
-    @property
-    def idle_hook(self) -> Callable[[], None] | None:
-        """Called by a waiter instead of yielding the CPU between idle polls (the simulated
-        world hands control to its scheduler here, and its ranks progress only there: no
-        lone spin then); None in real runs."""
-        return self._idle_hook
-
-    @idle_hook.setter
-    def idle_hook(self, hook: Callable[[], None] | None) -> None:
-        self._idle_hook = hook
-        policy = self._policy
-        self._lone_bursts = range(0 if hook is not None or policy.oversubscribed
-                                  else policy.lone_spins // _BURST)
 
     # -- lanes ---------------------------------------------------------------------------
 
@@ -496,14 +486,15 @@ class Engine:
         call this way (20,000 alternated pairs).
         """
         lane = fut.lane
-        if fut._state != ISSUED or self._unfinished != 1 or not lane.spins_alone:
+        if (fut._state != ISSUED or self._unfinished != 1 or not lane.spins_alone
+                or self.idle_hook is not None):
             return False
         lock = self._lock
         track = lane.track
         test = track.backend.test_one
         request = fut._request
         burst = range(_BURST)
-        for _ in self._lone_bursts:  # none where spinning is not safe
+        for _ in self._lone_bursts:  # none on an oversubscribed node
             if not lock.acquire(False):
                 return False
             try:
