@@ -222,17 +222,7 @@ class Engine:
                 else:
                     fut = CommFuture(self, kind, lane, seq, None, args, reads, writes, result,
                                      finish, nbytes, now)
-                    # _issued and Track.add, written out (two calls fewer per operation)
-                    fut.t_issue = now
-                    fut._state = ISSUED
-                    if req is None:  # finished during the start call
-                        self._work.append((fut, None))
-                    else:
-                        fut._request = req
-                        track = lane.track
-                        track.futs.append(fut)
-                        track.reqs.append(req)
-                        track.live += 1
+                    self._issued(fut, req, now)
                 self._unindexed = fut
                 if self._work:
                     self._run_work()
