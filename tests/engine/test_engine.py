@@ -618,6 +618,23 @@ def test_a_lone_spin_stops_when_another_operation_arrives():
     assert backend.one_tests == 0
 
 
+def test_hazard_index_forgets_only_the_accesses_it_holds():
+    """Removing an operation from a range it never touched leaves that range's accesses
+    alone, whether the range holds one access or several."""
+    from mcrdl.engine._hazards import HazardIndex
+
+    index = HazardIndex()
+    index.add("w", (), (A,))
+    index.remove("stranger", (), (A,), True)
+    assert list(index.conflicts((A,), ())) == ["w"]
+    index.add("r", (A,), ())
+    index.remove("stranger", (A,), (A,), False)
+    assert list(index.conflicts((), (A,))) == ["w", "r"]
+    index.remove("w", (), (A,), True)
+    index.remove("r", (A,), (), True)
+    assert not index.conflicts((A,), (A,)) and not index._regions
+
+
 def test_hazard_index_orders_every_overlap_through_churn():
     """Random adds and in-order-of-readiness removals over a small address pool, long enough
     that dead starts are reused and compacted: every overlapping unfinished access with a
