@@ -118,10 +118,12 @@ class Bench:
 
     def raw_gloo_call(self, op: str, t: torch.Tensor, out: torch.Tensor):
         d = self.dist
+        # all_gather_single where torch has it: its deprecated alias warns on every call.
+        gather = getattr(d, "all_gather_single", None) or d.all_gather_into_tensor
         return {
             "allreduce": lambda: d.all_reduce(t),
             "alltoall": lambda: d.all_to_all_single(out, t),
-            "allgather": lambda: d.all_gather_into_tensor(out, t),
+            "allgather": lambda: gather(out, t),
             "broadcast": lambda: d.broadcast(t, 0),
         }[op]
 

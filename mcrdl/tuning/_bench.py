@@ -155,14 +155,17 @@ class _Raw:
                ReduceOp.MIN: d.ReduceOp.MIN, ReduceOp.PROD: d.ReduceOp.PRODUCT}.get(
             redop, d.ReduceOp.SUM)
         rank = self.comm.rank
+        # The *_single names where torch has them: their deprecated aliases warn on every call.
+        gather = getattr(d, "all_gather_single", None) or d.all_gather_into_tensor
+        scatter_reduce = getattr(d, "reduce_scatter_single", None) or d.reduce_scatter_tensor
         calls = {
             "allreduce": lambda: d.all_reduce(t, rop),
             "broadcast": lambda: d.broadcast(t, 0),
             "reduce": lambda: d.reduce(t, 0, rop),
-            "allgather": lambda: d.all_gather_into_tensor(out, t),
+            "allgather": lambda: gather(out, t),
             "gather": lambda: d.gather(t, list(out.chunk(n)) if rank == 0 else None, 0),
             "scatter": lambda: d.scatter(out, list(t.chunk(n)) if rank == 0 else None, 0),
-            "reduce_scatter": lambda: d.reduce_scatter_tensor(out, t, rop),
+            "reduce_scatter": lambda: scatter_reduce(out, t, rop),
             "alltoall": lambda: d.all_to_all_single(out, t),
             "alltoallv": lambda: d.all_to_all_single(out, t, _split(t.numel(), n)[0],
                                                      _split(t.numel(), n)[0]),
