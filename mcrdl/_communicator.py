@@ -42,6 +42,13 @@ def _ranges(b: Buffer) -> tuple[tuple[int, int], ...]:
     return ((b[3], b[3] + n),) if n and not b[5] else _NO_RANGES
 
 
+def _held(args: tuple[Any, ...], result: Any) -> Any:
+    """The objects of the buffers in ``args`` other than ``result``: what an operation in
+    flight must keep alive (one object, a tuple of several, or None)."""
+    objs = tuple(a[0] for a in args if isinstance(a, Buffer) and a[0] is not result)
+    return objs[0] if len(objs) == 1 else objs or None
+
+
 def _check_op(op: Any) -> ReduceOp:
     if type(op) is ReduceOp:
         return op
@@ -149,12 +156,17 @@ class Communicator:
         finish: Any,
         after: Sequence[CommFuture],
         nbytes: int,
+        hold: Any = None,
     ) -> CommFuture:
+        """Submit on the engine; ``hold`` defaults to the objects of ``args``' buffers that
+        ``result`` is not (the engine keeps them alive until the operation finishes)."""
         self._seq = seq = self._seq + 1
         if self._debug is not None and kind in COLLECTIVES:
             after = self._checked(kind, slot, args, after)
+        if hold is None:
+            hold = _held(args, result)
         return self._engine.submit(_NAMES[kind], slot.lane, seq, start, args, reads, writes,
-                                   result, finish, after, nbytes)
+                                   result, finish, after, nbytes, hold)
 
     def _checked(self, kind: OpKind, slot: Slot, args: tuple[Any, ...],
                  after: Sequence[CommFuture]) -> list[CommFuture]:
@@ -178,11 +190,12 @@ class Communicator:
         def finish(_fut: CommFuture) -> None:
             check(table, name, names)
 
+        mine = fp.reshape(1, FIELDS)
         check_fut = self._engine.submit(
             "fingerprint", dbg.lane, cseq, dbg.backend.start_allgather,
-            (dbg.group, new_buffer(fp.reshape(1, FIELDS), False, DType.INT64),
+            (dbg.group, new_buffer(mine, False, DType.INT64),
              new_buffer(table, False, DType.INT64)),
-            _NO_RANGES, _NO_RANGES, table, finish, (), fp.nbytes)
+            _NO_RANGES, _NO_RANGES, table, finish, (), fp.nbytes, mine)
         return [*after, check_fut]
 
     def _rank_arg(self, name: str, value: Any) -> int:
@@ -408,7 +421,7 @@ class Communicator:
         return self._engine.submit("allgather", slot.lane, seq, slot.backend.start_allgather,
                                    (slot.group, b, o), ((b[3], b[3] + n),) if n else _NO_RANGES,
                                    ((o[3], o[3] + m),) if m and not o[5] else _NO_RANGES, o[0],
-                                   None, after, n)
+                                   None, after, n, b[0])
 
     def scatter(
         self, buf: Any, root: int = 0, out: Any = None, *, backend: str | None = None,
@@ -468,7 +481,7 @@ class Communicator:
         self._seq = seq = self._seq + 1
         return self._engine.submit("reduce_scatter", slot.lane, seq,
                                    slot.backend.start_reduce_scatter, (slot.group, b, o, op),
-                                   _ranges(b), _ranges(o), o[0], finish, after, b[2])
+                                   _ranges(b), _ranges(o), o[0], finish, after, b[2], b[0])
 
     def alltoall(
         self, buf: Any, out: Any = None, *, backend: str | None = None,
@@ -493,7 +506,7 @@ class Communicator:
         return self._engine.submit("alltoall", slot.lane, seq, slot.backend.start_alltoall,
                                    (slot.group, b, o), ((b[3], b[3] + n),) if n else _NO_RANGES,
                                    ((o[3], o[3] + m),) if m and not o[5] else _NO_RANGES, o[0],
-                                   None, after, n)
+                                   None, after, n, b[0])
 
     def alltoallv(
         self,
@@ -597,9 +610,10 @@ class Communicator:
         def finish(fut: CommFuture) -> None:
             fut._result = state["out"]
 
+        # start() holds b only until it runs (the output stays in state, for finish)
         return self._submit(OpKind.ALLTOALLV, slot, start, (), _ranges(b),
                             _ranges(o_given) if o_given is not None else _NO_RANGES, None,
-                            finish, (counts,), b.nbytes)
+                            finish, (counts,), b.nbytes, b.obj)
 
     def barrier(
         self, *, backend: str | None = None, after: Sequence[CommFuture] = ()

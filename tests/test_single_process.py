@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import inspect
 import subprocess
 import sys
+import time
+import weakref
 
 import numpy as np
 import pytest
@@ -47,6 +50,44 @@ def test_every_op_on_one_rank(world, backend):
     assert world.barrier(backend=backend).wait() is None
     a = np.arange(4, dtype=np.int64)
     assert world.allgather(a, backend=backend).wait().tolist() == [0, 1, 2, 3]
+
+
+_KEEPALIVE_OPS = {
+    "allreduce": lambda c, x, b: c.allreduce(x, backend=b),
+    "broadcast": lambda c, x, b: c.broadcast(x, backend=b),
+    "reduce": lambda c, x, b: c.reduce(x, backend=b),
+    "gather": lambda c, x, b: c.gather(x, backend=b),
+    "allgather": lambda c, x, b: c.allgather(x, backend=b),
+    "scatter": lambda c, x, b: c.scatter(x, backend=b),
+    "reduce_scatter": lambda c, x, b: c.reduce_scatter(x, backend=b),
+    "alltoall": lambda c, x, b: c.alltoall(x, backend=b),
+    "alltoallv": lambda c, x, b: c.alltoallv(x, [4], [4], backend=b),
+    "alltoallv exchanging counts": lambda c, x, b: c.alltoallv(x, [4], backend=b),
+}
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_an_operation_in_flight_keeps_its_buffers_alive(backend):
+    """The caller may drop its buffers at once (``comm.alltoall(x.clone())``): the backend
+    still reads and writes their memory (MPI by address) until the operation finishes, so
+    the runtime keeps them alive until then, and no longer."""
+    with mcrdl.init(timeout=60, progress_thread=False) as comm:
+        for name, submit in _KEEPALIVE_OPS.items():
+            x = torch.arange(4, dtype=torch.float32)
+            ref = weakref.ref(x)
+            fut = submit(comm, x, backend)
+            del x
+            deadline = time.monotonic() + 30
+            while fut.state == "PENDING" and time.monotonic() < deadline:
+                comm.runtime.engine.poll_once()  # alltoallv issues once its counts arrived
+            gc.collect()
+            if (backend, name) != ("gloo", "reduce_scatter"):  # one rank: finished at start
+                assert fut.state == "ISSUED", f"{name} is {fut.state}: nothing to check"
+                assert ref() is not None, f"{name}: its input was released while in flight"
+            fut.wait()
+            del fut
+            gc.collect()
+            assert ref() is None, f"{name}: the runtime still holds its input after it finished"
 
 
 def test_with_statement_finalizes():

@@ -28,6 +28,8 @@ class CommFuture:
     - state moves PENDING -> ISSUED -> {DONE, FAILED}, or PENDING -> {FAILED, CANCELLED};
       never back.
     - ``_callbacks`` is None once the state is terminal; a late add_done_callback runs at once.
+    - ``_start`` and ``_args`` are set while PENDING only; ``_hold`` (the caller's objects the
+      backend uses by address, besides ``_result``) until the state is terminal.
     - ``_deps_left`` counts unfinished dependencies; the engine issues the operation only when
       it is 0 and the operation is the oldest unissued one of its lane.
     - ``_dependants`` lists the futures that counted this one in their ``_deps_left``.
@@ -44,6 +46,7 @@ class CommFuture:
         "lane",
         "_start",
         "_args",
+        "_hold",
         "_finish",
         "_deps_left",
         "_dependants",
@@ -69,6 +72,7 @@ class CommFuture:
         seq: int,
         start: Callable[..., Any] | None,
         args: tuple[Any, ...] | None,
+        hold: Any,
         reads: tuple[tuple[int, int], ...],
         writes: tuple[tuple[int, int], ...],
         result: Any,
@@ -88,6 +92,7 @@ class CommFuture:
         self.seq = seq
         self._start = start
         self._args = args
+        self._hold = hold
         self._reads = reads
         self._writes = writes
         self._finish = finish

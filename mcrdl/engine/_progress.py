@@ -181,12 +181,17 @@ class Engine:
         finish: Callable[[CommFuture], None] | None = None,
         after: Iterable[CommFuture] = (),
         nbytes: int = 0,
+        hold: Any = None,
     ) -> CommFuture:
         """Add an operation; issue it at once if its lane and dependencies allow.
 
         ``start(*args)`` issues it and returns the backend's request; ``reads`` and ``writes``
         are the byte ranges it touches; ``result`` is what the future resolves to; ``finish``
         runs on success before the future resolves (e.g. the division of an emulated AVG).
+        ``hold`` is what else must stay alive until the operation finishes: the caller's
+        objects whose memory the backend reads or writes by address (MPI), other than
+        ``result``. ``start`` and ``args`` are released once the operation is issued: an
+        operation in flight keeps two objects fewer for the garbage collector to scan.
         """
         if after:
             after = self._check_after(after)
@@ -216,19 +221,19 @@ class Engine:
                 try:
                     req = start(*args)
                 except Exception as exc:  # fails the future, not the process
-                    fut = CommFuture(self, kind, lane, seq, start, args, reads, writes, result,
-                                     finish, nbytes, now)
+                    fut = CommFuture(self, kind, lane, seq, start, args, hold, reads, writes,
+                                     result, finish, nbytes, now)
                     self._start_failed(fut, exc)
                 else:
-                    fut = CommFuture(self, kind, lane, seq, None, args, reads, writes, result,
-                                     finish, nbytes, now)
+                    fut = CommFuture(self, kind, lane, seq, None, None, hold, reads, writes,
+                                     result, finish, nbytes, now)
                     self._issued(fut, req, now)
                 self._unindexed = fut
                 if self._work:
                     self._run_work()
             else:
-                fut = CommFuture(self, kind, lane, seq, start, args, reads, writes, result,
-                                 finish, nbytes, now)
+                fut = CommFuture(self, kind, lane, seq, start, args, hold, reads, writes,
+                                 result, finish, nbytes, now)
                 if after:
                     deps = self._after_edges(fut, after, deps)
                 if deps is None and after:
@@ -295,6 +300,7 @@ class Engine:
         except Exception as exc:  # a backend refusing at start fails the future, not the process
             self._start_failed(fut, exc)
             return
+        fut._args = None  # what stays alive in flight is _hold
         self._issued(fut, req, self._clock())
 
     def _issued(self, fut: CommFuture, req: Any, now: float) -> None:
@@ -348,7 +354,7 @@ class Engine:
             fut._state = DONE
             fut.lane.history.append((fut.kind, fut.seq, DONE, fut.nbytes, fut.t_submit,
                                      fut.t_issue, now, ""))
-            fut._args = fut._request = None  # release buffers and scratch space now
+            fut._hold = fut._request = None  # release buffers and scratch space now
             callbacks = fut._callbacks
             fut._callbacks = None
             if callbacks:
@@ -389,7 +395,7 @@ class Engine:
             fut._result = None
         lane.history.append((fut.kind, fut.seq, fut._state, fut.nbytes, fut.t_submit,
                              fut.t_issue, now, ""))
-        fut._args = fut._request = None
+        fut._args = fut._hold = fut._request = None
         callbacks = fut._callbacks
         fut._callbacks = None
         if callbacks:
@@ -520,7 +526,7 @@ class Engine:
                     fut._state = DONE
                     lane.history.append((fut.kind, fut.seq, DONE, fut.nbytes, fut.t_submit,
                                          fut.t_issue, now, ""))
-                    fut._args = fut._request = None
+                    fut._hold = fut._request = None
                     callbacks = fut._callbacks
                     fut._callbacks = None
                     if callbacks:
