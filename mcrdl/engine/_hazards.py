@@ -12,6 +12,11 @@ rejected: 10,000 in flight made every submission 10,000 comparisons. Starts leav
 list lazily, in batches: deleting each one at once moved the whole list (operations finish
 oldest first, and the oldest sit at its front), which cost 3 µs per operation with 10,000 in
 flight.
+
+A range with one access and no other range at its start (most ranges in flight: each
+operation on its own buffer) is kept as that access itself, with its stop and mode in a
+plain dict of ints: no object per range for the garbage collector to scan. It becomes a
+``_Region`` when a second access or a second range at the same start arrives.
 """
 
 from __future__ import annotations
@@ -78,34 +83,47 @@ class HazardIndex:
     """Unfinished operations by the byte ranges they read and write.
 
     Invariants:
-    - ``_regions[start]`` heads the chain of regions starting at ``start``, each holding at
-      least one unfinished access; ``_starts`` is a sorted list without repeats of the keys of
-      ``_regions`` and of the starts in ``_dead`` (keys that left ``_regions`` and wait for the
-      next compaction).
-    - ``_maxlen`` is at least the length of every region present (it grows while any region
+    - ``_regions[start]`` is either a lone access, the one unfinished access to the only range
+      at ``start`` (then ``_lone[start]`` is that range's stop for a write, minus its stop for
+      a read), or heads the chain of regions starting at ``start``, each holding at least one
+      unfinished access (then ``start`` is not in ``_lone``).
+    - ``_starts`` is a sorted list without repeats of the keys of ``_regions`` and of the
+      starts in ``_dead`` (keys that left ``_regions`` and wait for the next compaction).
+    - ``_maxlen`` is at least the length of every range present (it grows while any range
       exists and resets when none does; it bounds how far back an overlap query looks).
     """
 
-    __slots__ = ("_regions", "_starts", "_dead", "_maxlen")
+    __slots__ = ("_regions", "_lone", "_starts", "_dead", "_maxlen")
 
     def __init__(self) -> None:
-        self._regions: dict[int, _Region] = {}
+        self._regions: dict[int, _Region | CommFuture] = {}
+        self._lone: dict[int, int] = {}
         self._starts: list[int] = []
         self._dead: set[int] = set()
         self._maxlen = 0
 
-    def _overlapping(self, start: int, stop: int) -> list[_Region]:
+    def _overlapping(self, start: int, stop: int, deps: dict[CommFuture, None],
+                     writes: bool) -> list[_Region]:
+        """The regions overlapping [start, stop); the lone accesses there that an access
+        (a write if ``writes``) must follow go straight into ``deps``."""
         starts = self._starts
         hi = bisect_left(starts, stop)
         lo = bisect_left(starts, start - self._maxlen + 1)
         found = []
         regions = self._regions
         for i in range(lo, hi):
-            region: _Region | None = regions.get(starts[i])  # None: a dead start
-            while region is not None:
-                if region.stop > start:
-                    found.append(region)
-                region = region.other
+            at = starts[i]
+            entry = regions.get(at)  # None: a dead start
+            if isinstance(entry, _Region):
+                region: _Region | None = entry
+                while region is not None:
+                    if region.stop > start:
+                        found.append(region)
+                    region = region.other
+            elif entry is not None:  # a lone access
+                end = self._lone[at]
+                if end > start if end > 0 else (writes and -end > start):
+                    deps[entry] = None
         return found
 
     def conflicts(
@@ -114,7 +132,7 @@ class HazardIndex:
         """The unfinished operations that an operation with these ranges must follow."""
         deps: dict[CommFuture, None] = {}
         for start, stop in writes:
-            for region in self._overlapping(start, stop):
+            for region in self._overlapping(start, stop, deps, True):
                 if region.broken:  # a broken region has two or more accesses: a dict
                     deps.update(dict.fromkeys(region.accesses or ()))
                     continue
@@ -123,30 +141,47 @@ class HazardIndex:
                 if region.readers:
                     deps.update(region.readers)
         for start, stop in reads:
-            for region in self._overlapping(start, stop):
+            for region in self._overlapping(start, stop, deps, False):
                 if region.broken:
                     deps.update((f, None) for f, w in (region.accesses or {}).items() if w)
                 elif region.writer is not None:
                     deps[region.writer] = None
         return deps
 
-    def _region(self, start: int, stop: int) -> _Region:
-        head = self._regions.get(start)
+    def _region(self, start: int, stop: int, fut: CommFuture, writes: bool) -> _Region | None:
+        """The region of [start, stop), made if need be; None where ``fut`` is (or now
+        becomes) the lone access there, which needs no more recording."""
+        regions = self._regions
+        head = regions.get(start)
+        if head is None:  # a new range, and its lone access
+            regions[start] = fut
+            self._lone[start] = stop if writes else -stop
+            dead = self._dead
+            if start in dead:
+                dead.discard(start)  # still in _starts
+            else:
+                insort(self._starts, start)
+            if stop - start > self._maxlen:
+                self._maxlen = stop - start
+            return None
+        if not isinstance(head, _Region):  # a lone access: fut's own, or a region from now on
+            end = self._lone[start]
+            if head is fut and (end if end > 0 else -end) == stop:
+                return None  # recorded already (add records writes first: a write wins)
+            del self._lone[start]
+            lone = head
+            head = regions[start] = _Region(end if end > 0 else -end)
+            if end > 0:
+                head.writer = lone
+            else:
+                head.readers = {lone: None}
         region: _Region | None = head
         while region is not None and region.stop != stop:
             region = region.other
         if region is None:
             region = _Region(stop)
-            if head is None:
-                self._regions[start] = region
-                dead = self._dead
-                if start in dead:
-                    dead.discard(start)  # still in _starts
-                else:
-                    insort(self._starts, start)
-            else:
-                region.other = head.other
-                head.other = region
+            region.other = head.other
+            head.other = region
             if stop - start > self._maxlen:
                 self._maxlen = stop - start
         return region
@@ -159,13 +194,14 @@ class HazardIndex:
     ) -> None:
         """Record ``fut``'s accesses; it has been given its dependencies already."""
         for start, stop in writes:
-            region = self._region(start, stop)
-            region.note(fut, True)
-            region.writer = fut
-            region.readers = None
+            region = self._region(start, stop, fut, True)
+            if region is not None:
+                region.note(fut, True)
+                region.writer = fut
+                region.readers = None
         for start, stop in reads:
-            region = self._region(start, stop)
-            if region.note(fut, False):
+            region = self._region(start, stop, fut, False)
+            if region is not None and region.note(fut, False):
                 if region.readers is None:
                     region.readers = {fut: None}
                 else:
@@ -191,8 +227,16 @@ class HazardIndex:
 
     def _forget(self, fut: CommFuture, start: int, stop: int, normal: bool) -> None:
         head = self._regions.get(start)
+        if head is None:
+            return
+        if not isinstance(head, _Region):  # a lone access: fut's, or not
+            end = self._lone[start]
+            if head is fut and (end if end > 0 else -end) == stop:
+                del self._lone[start]
+                self._drop_start(start)
+            return
         prev = None
-        region = head
+        region: _Region | None = head
         while region is not None and region.stop != stop:
             prev, region = region, region.other
         if region is None:
@@ -218,9 +262,13 @@ class HazardIndex:
         elif region.other is not None:
             self._regions[start] = region.other
         else:
-            del self._regions[start]
-            dead = self._dead
-            dead.add(start)
-            if len(dead) > 64 and len(dead) * 2 > len(self._starts):
-                self._starts = [s for s in self._starts if s not in dead]
-                dead.clear()
+            self._drop_start(start)
+
+    def _drop_start(self, start: int) -> None:
+        """``start`` holds nothing any more: it leaves ``_regions`` now, ``_starts`` later."""
+        del self._regions[start]
+        dead = self._dead
+        dead.add(start)
+        if len(dead) > 64 and len(dead) * 2 > len(self._starts):
+            self._starts = [s for s in self._starts if s not in dead]
+            dead.clear()

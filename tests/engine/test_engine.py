@@ -637,6 +637,33 @@ def test_hazard_index_forgets_only_the_accesses_it_holds():
     assert not index.conflicts((A,), (A,)) and not index._regions
 
 
+def test_hazard_index_keeps_a_lone_access_without_a_region():
+    """Most ranges in flight have one access: the index keeps that access itself, with no
+    object for the garbage collector, and makes a region once a second access, or a second
+    range at the same start, arrives; the answers stay the same."""
+    from mcrdl.engine._hazards import HazardIndex, _Region
+
+    index = HazardIndex()
+    index.add("w", (), (A,))
+    index.add("r", (B,), ())
+    assert index._regions == {A[0]: "w", B[0]: "r"}
+    assert list(index.conflicts((A_HALF,), ())) == ["w"]  # read after write
+    assert list(index.conflicts((B,), ())) == []  # reads never order reads
+    assert list(index.conflicts((), (B,))) == ["r"]  # write after read
+    index.add("w2", (), (A,))  # a second access to A
+    assert isinstance(index._regions[A[0]], _Region) and index._regions[B[0]] == "r"
+    assert list(index.conflicts((A,), ())) == ["w2"]  # w2 follows w
+    view = (B[0], B[0] + 8)
+    index.add("v", (), (view,))  # a second range at B's start
+    assert isinstance(index._regions[B[0]], _Region)
+    assert list(index.conflicts((), (B,))) == ["r", "v"]
+    assert list(index.conflicts((view,), ())) == ["v"]
+    for op, reads, writes in (("w", (), (A,)), ("r", (B,), ()), ("w2", (), (A,)),
+                              ("v", (), (view,))):
+        index.remove(op, reads, writes, True)
+    assert not index._regions and not index._lone
+
+
 def test_hazard_index_orders_every_overlap_through_churn():
     """Random adds and in-order-of-readiness removals over a small address pool, long enough
     that dead starts are reused and compacted: every overlapping unfinished access with a
