@@ -59,9 +59,10 @@ class CommFuture:
         "nbytes",
     )
 
-    # Set when they come to exist (see __init__).
+    # Set when they come to exist (see __init__); _hold only where there is one.
     _error: BaseException | None
     _request: Any
+    _hold: Any
     t_done: float
 
     def __init__(
@@ -72,7 +73,6 @@ class CommFuture:
         seq: int,
         start: Callable[..., Any] | None,
         args: tuple[Any, ...] | None,
-        hold: Any,
         reads: tuple[tuple[int, int], ...],
         writes: tuple[tuple[int, int], ...],
         result: Any,
@@ -92,7 +92,6 @@ class CommFuture:
         self.seq = seq
         self._start = start
         self._args = args
-        self._hold = hold
         self._reads = reads
         self._writes = writes
         self._finish = finish

@@ -221,19 +221,23 @@ class Engine:
                 try:
                     req = start(*args)
                 except Exception as exc:  # fails the future, not the process
-                    fut = CommFuture(self, kind, lane, seq, start, args, hold, reads, writes,
-                                     result, finish, nbytes, now)
+                    fut = CommFuture(self, kind, lane, seq, start, args, reads, writes, result,
+                                     finish, nbytes, now)
                     self._start_failed(fut, exc)
                 else:
-                    fut = CommFuture(self, kind, lane, seq, None, None, hold, reads, writes,
-                                     result, finish, nbytes, now)
+                    fut = CommFuture(self, kind, lane, seq, None, None, reads, writes, result,
+                                     finish, nbytes, now)
+                    if hold is not None:  # (set only where there is one: most have none)
+                        fut._hold = hold
                     self._issued(fut, req, now)
                 self._unindexed = fut
                 if self._work:
                     self._run_work()
             else:
-                fut = CommFuture(self, kind, lane, seq, start, args, hold, reads, writes,
-                                 result, finish, nbytes, now)
+                fut = CommFuture(self, kind, lane, seq, start, args, reads, writes, result,
+                                 finish, nbytes, now)
+                if hold is not None:
+                    fut._hold = hold
                 if after:
                     deps = self._after_edges(fut, after, deps)
                 if deps is None and after:
