@@ -47,6 +47,12 @@ _BURST = 8
 
 Ranges = tuple[tuple[int, int], ...]
 
+#: What an operation leaves behind when it fails while issued (timed out, aborted) and its
+#: backend cannot cancel it: its request and the objects it used by address. The backend may
+#: still read or write that memory (MPI collectives cannot be cancelled), so these stay alive
+#: for the rest of the process instead of being freed under it.
+_ABANDONED: list[tuple[Any, Any, Any]] = []
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -399,7 +405,7 @@ class Engine:
             fut._result = None
         lane.history.append((fut.kind, fut.seq, fut._state, fut.nbytes, fut.t_submit,
                              fut.t_issue, now, ""))
-        fut._args = fut._hold = fut._request = None
+        fut._start = fut._args = fut._hold = fut._request = None
         callbacks = fut._callbacks
         fut._callbacks = None
         if callbacks:
@@ -628,7 +634,8 @@ class Engine:
                 track = fut.lane.track
                 request = track.remove(fut)
                 why = track.backend.describe_wait(request) or "the peers it needs have not all arrived"
-                track.backend.cancel(request)
+                if not track.backend.cancel(request):
+                    _ABANDONED.append((request, getattr(fut, "_hold", None), fut._result))
                 self._work.append((fut, CommTimeoutError(
                     f"{fut.kind}#{fut.seq} on lane {fut.lane.backend_name}:{fut.lane.comm_name} "
                     f"(rank {fut.lane.rank} of {fut.lane.size}) did not finish within "
@@ -667,7 +674,9 @@ class Engine:
         with self._lock:
             victims: list[CommFuture] = []
             for track in self._track_list:
-                victims.extend(track.clear())
+                for fut in track.clear():  # issued: the backend may still use their memory
+                    _ABANDONED.append((fut._request, getattr(fut, "_hold", None), fut._result))
+                    victims.append(fut)
             for lane in self._lanes.values():
                 victims.extend(f for f in lane.pending if f._state == PENDING)
                 lane.pending.clear()

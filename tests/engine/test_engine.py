@@ -731,41 +731,77 @@ class _Held:
     """Stands for a caller's buffer that a backend uses by address."""
 
 
+class _Holds:
+    """Such stand-ins by name, and which of them are still alive."""
+
+    def __init__(self):
+        self.refs = {}
+
+    def __call__(self, name):
+        obj = _Held()
+        self.refs[name] = weakref.ref(obj)
+        return obj
+
+    def alive(self):
+        return sorted(name for name, ref in self.refs.items() if ref() is not None)
+
+
 def test_an_operation_holds_its_buffers_until_it_ends_however_it_ends(engine, mpi, gloo):
     """``hold`` stays alive while the operation is unfinished and is let go when it finishes,
     fails, is cancelled or fails with a dependency; ``start`` and ``args`` are let go once it
-    is issued (an operation in flight keeps two objects fewer for the garbage collector)."""
-    refs = {}
-
-    def held(name):
-        obj = _Held()
-        refs[name] = weakref.ref(obj)
-        return obj
-
-    def alive():
-        return sorted(name for name, ref in refs.items() if ref() is not None)
-
+    is issued, or once it ends unissued (an operation in flight keeps two objects fewer for
+    the garbage collector)."""
+    held = _Holds()
     a = submit(engine, mpi, "allreduce", writes=[A], hold=held("a"))  # issued at once
     b = submit(engine, mpi, "allreduce", writes=[A], hold=held("b"))  # waits for a
     c = submit(engine, gloo, "allreduce", writes=[B], hold=held("c"))
     d = submit(engine, gloo, "allreduce", writes=[B], hold=held("d"))  # waits for c
     e = submit(engine, gloo, "allreduce", after=[b], hold=held("e"))  # fails with b
     assert (a._start, a._args) == (None, None) and b._args == ("allreduce",)
-    assert alive() == ["a", "b", "c", "d", "e"]
+    assert held.alive() == ["a", "b", "c", "d", "e"]
     finish(engine, mpi, 0)
     assert a.state == "DONE" and b.state == "ISSUED" and b._args is None
-    assert alive() == ["b", "c", "d", "e"]
+    assert held.alive() == ["b", "c", "d", "e"]
     assert d.cancel()
-    assert alive() == ["b", "c", "e"]
+    assert held.alive() == ["b", "c", "e"] and (d._start, d._args) == (None, None)
     finish(engine, mpi, 1, error=RuntimeError("link down"))
-    assert b.state == "FAILED" and e.state == "FAILED"
-    assert alive() == ["c"]
+    assert b.state == "FAILED" and e.state == "FAILED" and (e._start, e._args) == (None, None)
+    assert held.alive() == ["c"]
     finish(engine, gloo, 0)
-    assert c.state == "DONE" and alive() == []
+    assert c.state == "DONE" and held.alive() == []
 
     # The lone wait settles in a written-out copy of the common case: it lets go too.
     lone = Engine(background=False)
     fut = submit(lone, _Counting(after=3), "allreduce", hold=held("lone"))
-    assert alive() == ["lone"]
+    assert held.alive() == ["lone"]
     fut.wait(timeout=5.0)
-    assert alive() == []
+    assert held.alive() == []
+
+
+class _Uncancellable(ManualBackend):
+    """Like MPI's collectives: an issued request cannot be cancelled."""
+
+    def cancel(self, request):
+        return False
+
+
+def test_an_issued_operation_that_fails_keeps_its_buffers_if_its_backend_may_still_use_them(
+        clock, gloo):
+    """A timed-out or aborted operation whose backend cannot cancel it may still have its
+    memory read or written by that backend: its buffers (and its result) stay alive. One
+    that its backend cancelled, or that was never issued, lets go."""
+    mpi = _Uncancellable(name="mpi")
+    engine = Engine(background=False, clock=clock, timeout=10.0)
+    held = _Holds()
+    a = submit(engine, mpi, "allreduce", writes=[A], hold=held("a"))
+    b = submit(engine, gloo, "allreduce", hold=held("b"))  # its backend cancels it
+    clock.now += 11
+    engine.check_deadlines(clock.now)
+    assert isinstance(a.exception(), CommTimeoutError)
+    assert isinstance(b.exception(), CommTimeoutError)
+    assert held.alive() == ["a"]
+    c = submit(engine, mpi, "allreduce", writes=[B], hold=held("c"))
+    d = submit(engine, mpi, "allreduce", writes=[B], hold=held("d"))  # waits for c
+    assert engine.fail_all(lambda f: RuntimeFinalizedError("finalized")) == 2
+    assert c.state == d.state == "FAILED"
+    assert held.alive() == ["a", "c"]
