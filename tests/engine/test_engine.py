@@ -664,6 +664,20 @@ def test_hazard_index_keeps_a_lone_access_without_a_region():
     assert not index._regions and not index._lone
 
 
+def test_an_operation_that_reads_and_writes_a_range_counts_as_writing_it():
+    """Its read does not overwrite its write, alone on the range or among others, even once
+    the range is broken and conflicts come from every access's own mode."""
+    from mcrdl.engine._hazards import HazardIndex
+
+    index = HazardIndex()
+    index.add("rw", (B,), (B,))  # alone on B
+    assert list(index.conflicts((B,), ())) == ["rw"]
+    index.add("w", (), (A,))
+    index.add("rw2", (A,), (A,))  # A's second access
+    index.remove("w", (), (A,), False)  # ended abnormally: A is broken
+    assert list(index.conflicts((A,), ())) == ["rw2"]
+
+
 def test_hazard_index_orders_every_overlap_through_churn():
     """Random adds and in-order-of-readiness removals over a small address pool, long enough
     that dead starts are reused and compacted: every overlapping unfinished access with a
