@@ -34,10 +34,9 @@ class _Region:
     """The unfinished accesses to one exact byte range [start, stop), in submission order.
 
     Invariants:
-    - ``accesses`` maps every unfinished operation touching the range to whether it writes;
-      it is None while there is only one, which is then ``writer`` or the one key of
-      ``readers`` (most ranges in flight have one access, and a dict fewer per operation in
-      flight is an object fewer for the garbage collector to scan).
+    - ``accesses`` maps every unfinished operation touching the range to whether it writes
+      (a range with one access and no other range at its start is not a region at all: see
+      ``HazardIndex``).
     - unless ``broken``, every access older than ``writer`` finishes before ``writer`` can
       (``writer`` depends on it), so ``writer`` and ``readers`` (the reads since; None for
       none) stand for all of them.
@@ -50,29 +49,15 @@ class _Region:
 
     def __init__(self, stop: int) -> None:
         self.stop = stop
-        self.accesses: dict[CommFuture, bool] | None = None
+        self.accesses: dict[CommFuture, bool] = {}
         self.writer: CommFuture | None = None
         self.readers: dict[CommFuture, None] | None = None
         self.broken = False
         self.other: _Region | None = None
 
-    def only(self) -> CommFuture | None:
-        """The one access while ``accesses`` is None (None for a region just made)."""
-        if self.writer is not None:
-            return self.writer
-        return next(iter(self.readers)) if self.readers else None
-
     def note(self, fut: CommFuture, writes: bool) -> bool:
         """Record that ``fut`` accesses the range; False if it did already."""
         accesses = self.accesses
-        if accesses is None:
-            only = self.only()
-            if only is None:  # a new region: fut is its one access
-                return True
-            if only is fut:
-                return False
-            self.accesses = {only: only is self.writer, fut: writes}
-            return True
         if fut in accesses:
             return False
         accesses[fut] = writes
@@ -133,8 +118,8 @@ class HazardIndex:
         deps: dict[CommFuture, None] = {}
         for start, stop in writes:
             for region in self._overlapping(start, stop, deps, True):
-                if region.broken:  # a broken region has two or more accesses: a dict
-                    deps.update(dict.fromkeys(region.accesses or ()))
+                if region.broken:
+                    deps.update(dict.fromkeys(region.accesses))
                     continue
                 if region.writer is not None:
                     deps[region.writer] = None
@@ -143,7 +128,7 @@ class HazardIndex:
         for start, stop in reads:
             for region in self._overlapping(start, stop, deps, False):
                 if region.broken:
-                    deps.update((f, None) for f, w in (region.accesses or {}).items() if w)
+                    deps.update((f, None) for f, w in region.accesses.items() if w)
                 elif region.writer is not None:
                     deps[region.writer] = None
         return deps
@@ -171,6 +156,7 @@ class HazardIndex:
             del self._lone[start]
             lone = head
             head = regions[start] = _Region(end if end > 0 else -end)
+            head.accesses[lone] = end > 0
             if end > 0:
                 head.writer = lone
             else:
@@ -242,21 +228,16 @@ class HazardIndex:
         if region is None:
             return
         accesses = region.accesses
-        if accesses is None:
-            if region.only() is not fut:
-                return
-            # fut was the range's one access: the region goes
-        else:
-            if accesses.pop(fut, None) is None:
-                return
-            if accesses:
-                if region.writer is fut:
-                    region.writer = None
-                if region.readers:
-                    region.readers.pop(fut, None)
-                if not normal:
-                    region.broken = True
-                return
+        if accesses.pop(fut, None) is None:
+            return
+        if accesses:
+            if region.writer is fut:
+                region.writer = None
+            if region.readers:
+                region.readers.pop(fut, None)
+            if not normal:
+                region.broken = True
+            return
         if prev is not None:
             prev.other = region.other
         elif region.other is not None:
