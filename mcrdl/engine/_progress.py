@@ -54,6 +54,11 @@ Ranges = tuple[tuple[int, int], ...]
 _ABANDONED: list[tuple[Any, Any, Any]] = []
 
 
+def _abandon(fut: CommFuture) -> None:
+    """Keep what issued ``fut`` may still have in use by its backend (before it settles)."""
+    _ABANDONED.append((fut._request, getattr(fut, "_hold", None), fut._result))
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """Counters of one engine since it started.
@@ -635,7 +640,7 @@ class Engine:
                 request = track.remove(fut)
                 why = track.backend.describe_wait(request) or "the peers it needs have not all arrived"
                 if not track.backend.cancel(request):
-                    _ABANDONED.append((request, getattr(fut, "_hold", None), fut._result))
+                    _abandon(fut)
                 self._work.append((fut, CommTimeoutError(
                     f"{fut.kind}#{fut.seq} on lane {fut.lane.backend_name}:{fut.lane.comm_name} "
                     f"(rank {fut.lane.rank} of {fut.lane.size}) did not finish within "
@@ -675,7 +680,7 @@ class Engine:
             victims: list[CommFuture] = []
             for track in self._track_list:
                 for fut in track.clear():  # issued: the backend may still use their memory
-                    _ABANDONED.append((fut._request, getattr(fut, "_hold", None), fut._result))
+                    _abandon(fut)
                     victims.append(fut)
             for lane in self._lanes.values():
                 victims.extend(f for f in lane.pending if f._state == PENDING)
