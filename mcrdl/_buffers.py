@@ -13,8 +13,7 @@ torch is never imported here: a tensor can only reach us if the caller imported 
 from __future__ import annotations
 
 import sys
-from operator import itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -53,83 +52,95 @@ def _torch_tensor_type() -> type | None:
     return _tensor_type
 
 
-class Buffer(tuple):  # type: ignore[type-arg]
-    """One checked, contiguous, host-memory buffer and its views.
+class Buffer(NamedTuple):
+    """One checked, contiguous buffer: the caller's object and what backends need of it.
 
-    A tuple underneath: it is made for every operation, and ``tuple.__new__`` with C-level
+    A named tuple: one is made per buffer per operation, and ``tuple.__new__`` with C-level
     field getters costs a third of a slotted object's ``__init__``.
 
-    Invariants:
-    - ``obj`` is the caller's object, never a copy; ``numpy()`` and ``torch()`` share its memory.
-    - ``start`` is the address of the first byte (0 when ``nbytes`` is 0); for arrays mcrdl
-      allocated itself (``fresh``) it may be 0, since nothing else can reference them and so
-      there are no hazards to track. ``start`` is exact for every tensor.
+    Attributes:
+        obj: the caller's object, never a copy; ``numpy()`` and ``torch()`` share its memory.
+        dtype: its element type.
+        nbytes: its size in bytes.
+        addr: the address of its first byte (0 when ``nbytes`` is 0). For arrays mcrdl
+            allocated itself (``fresh``) it may be 0: nothing else can reference them, so
+            there are no hazards to track. It is exact for every tensor.
+        is_torch: a torch tensor (else a numpy array).
+        fresh: allocated by mcrdl for this operation (an ``out`` the caller did not pass).
+        device: where its memory lives, as torch names devices (``"cpu"``).
     """
 
-    __slots__ = ()
-
-    obj: Any = property(itemgetter(0))
-    dtype: DType = property(itemgetter(1))  # type: ignore[assignment]
-    nbytes: int = property(itemgetter(2))  # type: ignore[assignment]
-    start: int = property(itemgetter(3))  # type: ignore[assignment]
-    is_torch: bool = property(itemgetter(4))  # type: ignore[assignment]
-    fresh: bool = property(itemgetter(5))  # type: ignore[assignment]
+    obj: Any
+    dtype: DType
+    nbytes: int
+    addr: int
+    is_torch: bool
+    fresh: bool
+    device: str
 
     @property
     def stop(self) -> int:
         """One past the last byte."""
-        return self[3] + self[2]  # type: ignore[no-any-return]
+        return self.addr + self.nbytes
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The buffer's shape (read from the object: most operations never need it)."""
-        return tuple(self[0].shape)
+        return tuple(self.obj.shape)
+
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        """The byte ranges the engine tracks hazards on: none for an empty or fresh buffer."""
+        n = self.nbytes
+        return ((self.addr, self.addr + n),) if n and not self.fresh else ()
 
     def numpy(self) -> np.ndarray[Any, Any]:
         """A numpy view of the buffer (bfloat16 as int16 bits: data movement only)."""
-        t = self[0]
-        if not self[4]:
+        t = self.obj
+        if not self.is_torch:
             return t  # type: ignore[no-any-return]
         if t.requires_grad:
             t = t.detach()
-        if self[1] is DType.BFLOAT16:
+        if self.dtype is DType.BFLOAT16:
             t = t.view(sys.modules["torch"].int16)
         return t.numpy()  # type: ignore[no-any-return]
 
     def torch(self) -> Any:
         """A torch view of the buffer (imports torch if the caller passed numpy)."""
-        if self[4]:
-            return self[0]
+        if self.is_torch:
+            return self.obj
         import torch
 
-        return torch.from_numpy(self[0])
+        return torch.from_numpy(self.obj)
 
     def row_elems(self) -> int:
         """Elements per dim-0 row."""
         n = 1
-        for d in self[0].shape[1:]:
+        for d in self.obj.shape[1:]:
             n *= d
         return n
 
     def empty(self, shape: tuple[int, ...]) -> Any:
         """A new, uninitialized object of this buffer's kind and dtype with ``shape``."""
-        if self[4]:
+        if self.is_torch:
             torch = sys.modules["torch"]
-            return torch.empty(shape, dtype=self[0].dtype)
-        return np.empty(shape, dtype=self[0].dtype)
+            return torch.empty(shape, dtype=self.obj.dtype)
+        return np.empty(shape, dtype=self.obj.dtype)
 
     def __repr__(self) -> str:
-        kind = "tensor" if self[4] else "ndarray"
-        return f"<Buffer {kind} {self[1].value}{list(self.shape)} @0x{self[3]:x}>"
+        kind = "tensor" if self.is_torch else "ndarray"
+        return (f"<Buffer {kind} {self.dtype.value}{list(self.shape)} on {self.device}"
+                f" @0x{self.addr:x}>")
 
 
 _new = tuple.__new__
+_CPU = "cpu"
 
 
 def new_buffer(obj: Any, is_torch: bool, dtype: DType) -> Buffer:
     """A Buffer for an array mcrdl allocated itself (contiguous, host memory, unshared)."""
     n = obj.nbytes
-    return _new(Buffer, (obj, dtype, n, obj.data_ptr() if is_torch and n else 0, is_torch, True))
+    return _new(Buffer, (obj, dtype, n, obj.data_ptr() if is_torch and n else 0, is_torch, True,
+                         _CPU))
 
 
 def as_buffer(obj: Any, name: str, writable: bool = False) -> Buffer:
@@ -145,7 +156,7 @@ def as_buffer(obj: Any, name: str, writable: bool = False) -> Buffer:
         if dt is None or not obj.is_cpu or not obj.is_contiguous():
             _refuse_tensor(obj, name, dt)
         n = obj.nbytes
-        return _new(Buffer, (obj, dt, n, obj.data_ptr() if n else 0, True, False))
+        return _new(Buffer, (obj, dt, n, obj.data_ptr() if n else 0, True, False, _CPU))
     if isinstance(obj, np.ndarray):
         dt = _NUMPY_DTYPES.get(obj.dtype)
         if dt is None:
@@ -164,7 +175,7 @@ def as_buffer(obj: Any, name: str, writable: bool = False) -> Buffer:
             raise ValueError(f"{name} is read-only but this operation writes it; pass a writable array")
         n = obj.nbytes
         return _new(Buffer, (obj, dt, n, obj.__array_interface__["data"][0] if n else 0,
-                             False, False))
+                             False, False, _CPU))
     if tensor_type is None and _torch_tensor_type() is not None:
         return as_buffer(obj, name, writable)  # first tensor of the process: tables are ready
     raise TypeError(
