@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from ._alltoallv import Exchanged
 from ._buffers import Buffer, as_buffer, new_buffer
 from ._debug import FIELDS, check, fingerprint
 from ._errors import CommClosedError, MCRDLError
@@ -20,7 +21,8 @@ from .engine import CommFuture
 
 if TYPE_CHECKING:
     from ._runtime import Runtime
-    from ._select import Slot
+    from ._select import Router, Slot
+    from .engine import Lane
 
 __all__ = ["Communicator"]
 
@@ -34,19 +36,6 @@ _REDUCE_SCATTER = OpKind.REDUCE_SCATTER
 _NO_RANGES: tuple[tuple[int, int], ...] = ()
 _NAMES = {kind: kind.value for kind in OpKind}  # Enum.value is a property: 0.1 µs a read
 _MAX_TAG = 32767  # the largest tag every MPI library must accept (MPI_TAG_UB >= 32767)
-
-
-def _ranges(b: Buffer) -> tuple[tuple[int, int], ...]:
-    # Indexed, not through the properties: this runs once or twice per operation.
-    n = b[2]
-    return ((b[3], b[3] + n),) if n and not b[5] else _NO_RANGES
-
-
-def _held(args: tuple[Any, ...], result: Any) -> Any:
-    """The objects of the buffers in ``args`` other than ``result``: what an operation in
-    flight must keep alive (one object, a tuple of several, or None)."""
-    objs = tuple(a[0] for a in args if isinstance(a, Buffer) and a[0] is not result)
-    return objs[0] if len(objs) == 1 else objs or None
 
 
 def _check_op(op: Any) -> ReduceOp:
@@ -65,16 +54,20 @@ class Communicator:
     Invariants:
     - ``_slots`` maps each backend name to that backend's group and lane for this communicator.
     - ``_seq`` counts the operations submitted on this communicator (the ``#n`` in reprs).
+    - ``_slots[*].lane.comm`` is one engine `CommState` for all of them: when it breaks
+      (DESIGN.md rule 7), every operation on this communicator fails with CommBrokenError.
     """
 
     def __init__(self, runtime: Runtime, name: str, slots: dict[str, Slot],
-                 debug: Slot | None = None) -> None:
+                 members: tuple[int, ...], debug: Slot | None = None) -> None:
         self._runtime = runtime
         self._debug = debug
         self._cseq = 0  # collectives submitted (debug mode's fingerprint sequence)
         self._engine = runtime.engine
         self._selector = runtime.selector
         self.name = name
+        #: The world ranks of the members, in this communicator's rank order.
+        self.members = members
         self._slots = slots
         first = next(iter(slots.values()))
         #: This process's rank in the communicator.
@@ -116,28 +109,34 @@ class Communicator:
 
     # -- plumbing ------------------------------------------------------------------------
 
-    def _choose(
-        self, kind: OpKind, dtype: DType | None, op: ReduceOp | None, nbytes: int, backend: Any
-    ) -> tuple[Slot, bool]:
-        """The slot to run on, and whether AVG must be emulated (SUM, then divide).
+    def _choice(
+        self, kind: OpKind, dtype: DType | None, op: ReduceOp | None, backend: Any
+    ) -> tuple[Slot, bool] | Router:
+        """The slot to run on and whether AVG must be emulated (SUM, then divide), or a
+        `Router` where auto's choice depends on the global message size.
 
-        Choices that do not depend on the message size are cached; closing the communicator
-        empties the cache, so a cache hit also means "open".
+        Cached per (kind, dtype, op, backend): a choice depends on nothing else (rule 4).
+        Closing the communicator empties the cache, so a cache hit also means "open".
         """
         key = (kind, dtype, op, backend)
-        hit = self._choice_cache.get(key)
+        hit: tuple[Slot, bool] | Router | None = self._choice_cache.get(key)
         if hit is not None:
-            return hit if type(hit) is tuple else hit.pick(nbytes)
+            return hit
         if self._closed:  # finalize closes every communicator
             raise CommClosedError(
                 f"cannot {kind.value} on {self.name}: the runtime was finalized"
                 if self._runtime.finalized
                 else f"cannot {kind.value} on {self!r}: the communicator is closed"
             )
-        choice, cacheable = self._selector.choose(self._slots, kind, dtype, op, nbytes, backend,
-                                                  self.size)
-        if cacheable:
-            self._choice_cache[key] = choice
+        choice = self._choice_cache[key] = self._selector.choose(
+            self._slots, kind, dtype, op, backend, self.size)
+        return choice
+
+    def _choose(
+        self, kind: OpKind, dtype: DType | None, op: ReduceOp | None, nbytes: int, backend: Any
+    ) -> tuple[Slot, bool]:
+        """``_choice`` for a message of ``nbytes`` (global size)."""
+        choice = self._choice(kind, dtype, op, backend)
         return choice if type(choice) is tuple else choice.pick(nbytes)  # type: ignore[union-attr]
 
     def _mark_closed(self) -> None:
@@ -153,24 +152,36 @@ class Communicator:
         reads: tuple[tuple[int, int], ...],
         writes: tuple[tuple[int, int], ...],
         result: Any,
-        finish: Any,
-        after: Sequence[CommFuture],
         nbytes: int,
+        after: Sequence[CommFuture],
+        finish: Any = None,
         hold: Any = None,
     ) -> CommFuture:
-        """Submit on the engine; ``hold`` defaults to the objects of ``args``' buffers that
-        ``result`` is not (the engine keeps them alive until the operation finishes)."""
-        self._seq = seq = self._seq + 1
-        if self._debug is not None and kind in COLLECTIVES:
-            after = self._checked(kind, slot, args, after)
-        if hold is None:
-            hold = _held(args, result)
-        return self._engine.submit(_NAMES[kind], slot.lane, seq, start, args, reads, writes,
-                                   result, finish, after, nbytes, hold)
+        """Describe the operation as its future and submit it: every operation comes here.
 
-    def _checked(self, kind: OpKind, slot: Slot, args: tuple[Any, ...],
-                 after: Sequence[CommFuture]) -> list[CommFuture]:
-        """Debug mode: exchange this collective's fingerprint; it waits for the check."""
+        ``hold``: the caller's objects the backend reads or writes by address, other than
+        ``result`` (the engine keeps them alive while the backend may use them).
+        """
+        fut = self._describe(kind, slot.lane, start, args, reads, writes, result, nbytes,
+                             finish, hold)
+        after = self._checked_after(kind, slot.backend.name, args, after)
+        return self._engine.submit(fut, after)
+
+    def _describe(self, kind: OpKind, lane: Lane, start: Any, args: tuple[Any, ...],
+                  reads: tuple[tuple[int, int], ...], writes: tuple[tuple[int, int], ...],
+                  result: Any, nbytes: int, finish: Any, hold: Any) -> CommFuture:
+        """The next operation on this communicator, as its future (not submitted yet)."""
+        self._seq = seq = self._seq + 1
+        return CommFuture(_NAMES[kind], lane, seq, start, args, reads, writes, result, nbytes,
+                          finish, hold)
+
+    def _checked_after(self, kind: OpKind, backend: str | None, args: tuple[Any, ...],
+                       after: Sequence[CommFuture]) -> Sequence[CommFuture]:
+        """``after``, plus debug mode's fingerprint check of a collective (which the
+        collective then waits for); ``backend`` is None for one routed by its agreed size
+        (decided later, the same on every member by rule 4)."""
+        if self._debug is None or kind not in COLLECTIVES:
+            return after
         # What every member must agree on: scatter's input exists on the root only, so its
         # output describes it; alltoallv's row counts differ per rank, so only its row shape.
         bufs = [a for a in args[1:] if isinstance(a, Buffer)]
@@ -182,8 +193,9 @@ class Communicator:
         op = next((a for a in args if type(a) is ReduceOp), None)
         names = tuple(sorted(self._slots))  # rank-invariant, unlike a selector's order
         self._cseq = cseq = self._cseq + 1
-        fp = fingerprint(cseq, kind, dtype, shape, root, op, names.index(slot.backend.name))
-        dbg = cast("Slot", self._debug)
+        fp = fingerprint(cseq, kind, dtype, shape, root, op,
+                         -1 if backend is None else names.index(backend))
+        dbg = self._debug
         table = np.empty((self.size, FIELDS), dtype=np.int64)
         name = self.name
 
@@ -191,12 +203,12 @@ class Communicator:
             check(table, name, names)
 
         mine = fp.reshape(1, FIELDS)
-        check_fut = self._engine.submit(
+        check_fut = CommFuture(
             "fingerprint", dbg.lane, cseq, dbg.backend.start_allgather,
             (dbg.group, new_buffer(mine, False, DType.INT64),
              new_buffer(table, False, DType.INT64)),
-            _NO_RANGES, _NO_RANGES, table, finish, (), fp.nbytes, mine)
-        return [*after, check_fut]
+            _NO_RANGES, _NO_RANGES, table, fp.nbytes, finish, mine)
+        return [*after, self._engine.submit(check_fut)]
 
     def _rank_arg(self, name: str, value: Any) -> int:
         if type(value) is not int and not isinstance(value, (int, np.integer)):
@@ -242,19 +254,19 @@ class Communicator:
 
     def _out(self, kind: OpKind, out: Any, b: Buffer, shape: tuple[int, ...] | None) -> Buffer:
         """Check a caller's ``out`` for a result of ``shape`` (None: any shape), or allocate
-        one. One call level for the whole check: it runs on every call that passes ``out``."""
+        one."""
         if out is None and shape is not None:
-            return new_buffer(b.empty(shape), b[4], b[1])
+            return new_buffer(b.empty(shape), b.is_torch, b.dtype)
         o = as_buffer(out, "out", True)
-        if o[1] is not b[1]:
+        if o.dtype is not b.dtype:
             raise TypeError(
                 f"out has dtype {o.dtype.value} but buf has {b.dtype.value}; they must match"
             )
-        if o[2] and b[2] and o[3] < b[3] + b[2] and b[3] < o[3] + o[2]:
+        if o.nbytes and b.nbytes and o.addr < b.stop and b.addr < o.stop:
             raise ValueError(
                 f"out overlaps buf; {kind.value} cannot run in place: pass a separate out"
             )
-        if shape is not None and o[0].shape != shape:  # torch.Size, numpy shapes == tuples
+        if shape is not None and o.obj.shape != shape:  # torch.Size, numpy shapes == tuples
             raise ValueError(
                 f"out has shape {tuple(o.shape)}; {kind.value} of buf with shape "
                 f"{tuple(b.shape)} on {self.size} ranks needs {tuple(shape)}"
@@ -284,7 +296,7 @@ class Communicator:
         tag = self._tag_arg(tag)
         slot, _ = self._choose(OpKind.SEND, b.dtype, None, b.nbytes, backend)
         return self._submit(OpKind.SEND, slot, slot.backend.start_send, (slot.group, b, dst, tag),
-                            _ranges(b), _NO_RANGES, None, None, after, b.nbytes)
+                            b.ranges(), _NO_RANGES, None, b.nbytes, after, hold=b.obj)
 
     def recv(
         self, buf: Any, src: int, tag: int = 0, *, backend: str | None = None,
@@ -296,7 +308,7 @@ class Communicator:
         tag = self._tag_arg(tag)
         slot, _ = self._choose(OpKind.RECV, b.dtype, None, b.nbytes, backend)
         return self._submit(OpKind.RECV, slot, slot.backend.start_recv, (slot.group, b, src, tag),
-                            _NO_RANGES, _ranges(b), buf, None, after, b.nbytes)
+                            _NO_RANGES, b.ranges(), buf, b.nbytes, after)
 
     # -- collectives ---------------------------------------------------------------------
 
@@ -306,21 +318,12 @@ class Communicator:
     ) -> CommFuture:
         """Copy ``root``'s ``buf`` into every member's ``buf``; resolves to ``buf``."""
         b = as_buffer(buf, "buf", True)
-        if type(root) is not int or not 0 <= root < self.size:
-            root = self._rank_arg("root", root)
-        n = b[2]
-        choice = self._choice_cache.get((_BROADCAST, b[1], None, backend))
-        if type(choice) is not tuple:
-            choice = self._choose(_BROADCAST, b[1], None, n, backend)
-        slot = choice[0]
-        r = ((b[3], b[3] + n),) if n else _NO_RANGES
+        root = self._rank_arg("root", root)
+        slot, _ = self._choose(_BROADCAST, b.dtype, None, b.nbytes, backend)
+        r = b.ranges()
         reads, writes = (r, _NO_RANGES) if root == self.rank else (_NO_RANGES, r)
-        if self._debug is not None:
-            return self._submit(_BROADCAST, slot, slot.backend.start_broadcast,
-                                (slot.group, b, root), reads, writes, buf, None, after, n)
-        self._seq = seq = self._seq + 1
-        return self._engine.submit("broadcast", slot.lane, seq, slot.backend.start_broadcast,
-                                   (slot.group, b, root), reads, writes, buf, None, after, n)
+        return self._submit(_BROADCAST, slot, slot.backend.start_broadcast,
+                            (slot.group, b, root), reads, writes, buf, b.nbytes, after)
 
     def reduce(
         self, buf: Any, root: int = 0, op: ReduceOp = _SUM, *, backend: str | None = None,
@@ -336,41 +339,26 @@ class Communicator:
             op = _SUM
             if root == self.rank:
                 finish = self._avg_finish(buf)
-        r = _ranges(b)
+        r = b.ranges()
         reads, writes = (_NO_RANGES, r) if root == self.rank else (r, _NO_RANGES)
         return self._submit(OpKind.REDUCE, slot, slot.backend.start_reduce,
-                            (slot.group, b, root, op), reads, writes, buf, finish, after,
-                            b.nbytes)
+                            (slot.group, b, root, op), reads, writes, buf, b.nbytes, after,
+                            finish)
 
     def allreduce(
         self, buf: Any, op: ReduceOp = _SUM, *, backend: str | None = None,
         after: Sequence[CommFuture] = (),
     ) -> CommFuture:
         """Reduce every member's ``buf`` into every member's ``buf``; resolves to ``buf``."""
-        # The hottest path of all (gradient allreduce): written out, without the helpers
-        # the other operations share, because each call level costs ~0.1 µs here. alltoall,
-        # allgather, broadcast and reduce_scatter are written out the same way (routing them
-        # through _submit cost 0.1-0.3 µs per operation).
         b = as_buffer(buf, "buf", True)
-        if type(op) is not ReduceOp:
-            op = _check_op(op)
-        choice = self._choice_cache.get((_ALLREDUCE, b[1], op, backend))
-        if type(choice) is not tuple:  # not cached, or sized by a tuning table
-            choice = self._choose(_ALLREDUCE, b[1], op, b[2], backend)
-        slot, emulate = choice
+        op = _check_op(op)
+        slot, emulate = self._choose(_ALLREDUCE, b.dtype, op, b.nbytes, backend)
         finish = None
         if emulate:
             op = _SUM
             finish = self._avg_finish(buf)
-        n = b[2]
-        if self._debug is not None:
-            return self._submit(_ALLREDUCE, slot, slot.backend.start_allreduce,
-                                (slot.group, b, op), _NO_RANGES, _ranges(b), buf, finish,
-                                after, n)
-        self._seq = seq = self._seq + 1
-        return self._engine.submit(
-            "allreduce", slot.lane, seq, slot.backend.start_allreduce, (slot.group, b, op),
-            _NO_RANGES, ((b[3], b[3] + n),) if n else _NO_RANGES, buf, finish, after, n)
+        return self._submit(_ALLREDUCE, slot, slot.backend.start_allreduce, (slot.group, b, op),
+                            _NO_RANGES, b.ranges(), buf, b.nbytes, after, finish)
 
     def gather(
         self, buf: Any, root: int = 0, out: Any = None, *, backend: str | None = None,
@@ -390,9 +378,9 @@ class Communicator:
         if root == self.rank:
             o = self._out(OpKind.GATHER, out, b, (b.shape[0] * self.size, *b.shape[1:]))
         return self._submit(OpKind.GATHER, slot, slot.backend.start_gather,
-                            (slot.group, b, o, root), _ranges(b),
-                            _ranges(o) if o is not None else _NO_RANGES,
-                            o.obj if o is not None else None, None, after, b.nbytes)
+                            (slot.group, b, o, root), b.ranges(),
+                            o.ranges() if o is not None else _NO_RANGES,
+                            o.obj if o is not None else None, b.nbytes, after, hold=b.obj)
 
     def allgather(
         self, buf: Any, out: Any = None, *, backend: str | None = None,
@@ -400,28 +388,14 @@ class Communicator:
     ) -> CommFuture:
         """Concatenate members' ``buf`` along dim 0 on every member; resolves to ``out``."""
         b = as_buffer(buf, "buf")
-        shape = b[0].shape
+        shape = b.obj.shape
         if not shape:
             raise ValueError("allgather concatenates along dim 0, but buf is 0-dimensional; "
                              "pass buf.reshape(1)")
-        size = self.size
-        choice = self._choice_cache.get((_ALLGATHER, b[1], None, backend))
-        if type(choice) is not tuple:
-            choice = self._choose(_ALLGATHER, b[1], None, b[2] * size, backend)
-        slot = choice[0]
-        # (rows,) for the common 1-d buffer: slicing a torch.Size costs 0.1 µs
-        o = self._out(_ALLGATHER, out, b, (shape[0] * size,) if len(shape) == 1
-                      else (shape[0] * size, *shape[1:]))
-        if self._debug is not None:
-            return self._submit(_ALLGATHER, slot, slot.backend.start_allgather,
-                                (slot.group, b, o), _ranges(b), _ranges(o), o[0], None, after,
-                                b[2])
-        self._seq = seq = self._seq + 1
-        n, m = b[2], o[2]  # _ranges(b) and _ranges(o), written out (b is the caller's)
-        return self._engine.submit("allgather", slot.lane, seq, slot.backend.start_allgather,
-                                   (slot.group, b, o), ((b[3], b[3] + n),) if n else _NO_RANGES,
-                                   ((o[3], o[3] + m),) if m and not o[5] else _NO_RANGES, o[0],
-                                   None, after, n, b[0])
+        slot, _ = self._choose(_ALLGATHER, b.dtype, None, b.nbytes * self.size, backend)
+        o = self._out(_ALLGATHER, out, b, (shape[0] * self.size, *shape[1:]))
+        return self._submit(_ALLGATHER, slot, slot.backend.start_allgather, (slot.group, b, o),
+                            b.ranges(), o.ranges(), o.obj, b.nbytes, after, hold=b.obj)
 
     def scatter(
         self, buf: Any, root: int = 0, out: Any = None, *, backend: str | None = None,
@@ -445,12 +419,12 @@ class Communicator:
             o = self._out(OpKind.SCATTER, out, b, (rows // self.size, *b.shape[1:]))
             dtype, nbytes = b.dtype, b.nbytes
         slot, _ = self._choose(OpKind.SCATTER, dtype, None, nbytes, backend)
-        is_root = root == self.rank
-        send = b if is_root else None
+        send = b if root == self.rank else None
         return self._submit(OpKind.SCATTER, slot, slot.backend.start_scatter,
                             (slot.group, send, o, root),
-                            _ranges(b) if is_root and b is not None else _NO_RANGES,
-                            _ranges(o), o.obj, None, after, o.nbytes)
+                            send.ranges() if send is not None else _NO_RANGES,
+                            o.ranges(), o.obj, o.nbytes, after,
+                            hold=send.obj if send is not None else None)
 
     def reduce_scatter(
         self, buf: Any, op: ReduceOp = _SUM, out: Any = None, *, backend: str | None = None,
@@ -458,30 +432,17 @@ class Communicator:
     ) -> CommFuture:
         """Reduce members' ``buf``; member i receives chunk i (along dim 0) in ``out``."""
         b = as_buffer(buf, "buf")
-        if type(op) is not ReduceOp:
-            op = _check_op(op)
-        shape = b[0].shape
-        size = self.size
-        if not shape or shape[0] % size:
-            self._rows(_REDUCE_SCATTER, b)  # raises, naming the shape
-        choice = self._choice_cache.get((_REDUCE_SCATTER, b[1], op, backend))
-        if type(choice) is not tuple:
-            choice = self._choose(_REDUCE_SCATTER, b[1], op, b[2], backend)
-        slot, emulate = choice
-        o = self._out(_REDUCE_SCATTER, out, b, (shape[0] // size,) if len(shape) == 1
-                      else (shape[0] // size, *shape[1:]))
+        op = _check_op(op)
+        rows = self._rows(_REDUCE_SCATTER, b)
+        slot, emulate = self._choose(_REDUCE_SCATTER, b.dtype, op, b.nbytes, backend)
+        o = self._out(_REDUCE_SCATTER, out, b, (rows // self.size, *b.shape[1:]))
         finish = None
         if emulate:
             op = _SUM
-            finish = self._avg_finish(o[0])
-        if self._debug is not None:
-            return self._submit(_REDUCE_SCATTER, slot, slot.backend.start_reduce_scatter,
-                                (slot.group, b, o, op), _ranges(b), _ranges(o), o[0], finish,
-                                after, b[2])
-        self._seq = seq = self._seq + 1
-        return self._engine.submit("reduce_scatter", slot.lane, seq,
-                                   slot.backend.start_reduce_scatter, (slot.group, b, o, op),
-                                   _ranges(b), _ranges(o), o[0], finish, after, b[2], b[0])
+            finish = self._avg_finish(o.obj)
+        return self._submit(_REDUCE_SCATTER, slot, slot.backend.start_reduce_scatter,
+                            (slot.group, b, o, op), b.ranges(), o.ranges(), o.obj, b.nbytes,
+                            after, finish, b.obj)
 
     def alltoall(
         self, buf: Any, out: Any = None, *, backend: str | None = None,
@@ -489,24 +450,11 @@ class Communicator:
     ) -> CommFuture:
         """Chunk j of this rank's ``buf`` (along dim 0) goes to rank j; resolves to ``out``."""
         b = as_buffer(buf, "buf")
-        shape = b[0].shape
-        if not shape or shape[0] % self.size:
-            self._rows(_ALLTOALL, b)  # raises, naming the shape
-        choice = self._choice_cache.get((_ALLTOALL, b[1], None, backend))
-        if type(choice) is not tuple:
-            choice = self._choose(_ALLTOALL, b[1], None, b[2], backend)
-        slot = choice[0]
-        o = self._out(_ALLTOALL, out, b, shape)
-        if self._debug is not None:
-            return self._submit(_ALLTOALL, slot, slot.backend.start_alltoall,
-                                (slot.group, b, o), _ranges(b), _ranges(o), o[0], None, after,
-                                b[2])
-        self._seq = seq = self._seq + 1
-        n, m = b[2], o[2]  # _ranges(b) and _ranges(o), written out (b is the caller's)
-        return self._engine.submit("alltoall", slot.lane, seq, slot.backend.start_alltoall,
-                                   (slot.group, b, o), ((b[3], b[3] + n),) if n else _NO_RANGES,
-                                   ((o[3], o[3] + m),) if m and not o[5] else _NO_RANGES, o[0],
-                                   None, after, n, b[0])
+        self._rows(_ALLTOALL, b)
+        slot, _ = self._choose(_ALLTOALL, b.dtype, None, b.nbytes, backend)
+        o = self._out(_ALLTOALL, out, b, b.obj.shape)
+        return self._submit(_ALLTOALL, slot, slot.backend.start_alltoall, (slot.group, b, o),
+                            b.ranges(), o.ranges(), o.obj, b.nbytes, after, hold=b.obj)
 
     def alltoallv(
         self,
@@ -521,8 +469,10 @@ class Communicator:
         """Rows ``send_counts[j]`` of ``buf`` (in order along dim 0) go to rank j.
 
         ``recv_counts[i]`` is how many rows arrive from rank i; when None, the counts are
-        exchanged first (an alltoall of counts on the same backend, in the same lane slot).
-        Resolves to ``out``, whose dim 0 is ``sum(recv_counts)``.
+        exchanged first (an operation of its own, which this one depends on). Resolves to
+        ``out``, whose dim 0 is ``sum(recv_counts)``. Returns at once in every case: where
+        ``backend="auto"`` picks by the agreed total size (a tuning table that splits
+        alltoallv by size), the members agree on it in that same exchange.
         """
         b = as_buffer(buf, "buf")
         if not b.shape:
@@ -535,29 +485,38 @@ class Communicator:
                 "they must be equal"
             )
         tail = tuple(b.shape[1:])
+        recv = None
         if recv_counts is not None:
             recv = self._counts("recv_counts", recv_counts)
-            slot, _ = self._choose(OpKind.ALLTOALLV, b.dtype, None,
-                                   self._global_alltoallv_bytes(b, backend), backend)
-            o = self._out(OpKind.ALLTOALLV, out, b, (sum(recv), *tail))
+            o: Buffer | None = self._out(OpKind.ALLTOALLV, out, b, (sum(recv), *tail))
+        elif out is not None:
+            o = self._out(OpKind.ALLTOALLV, out, b, None)
+            if tuple(o.shape[1:]) != tail:
+                raise ValueError(f"out has shape {tuple(o.shape)}; alltoallv of buf with "
+                                 f"shape {tuple(b.shape)} needs (sum(recv_counts), *{tail})")
+        else:
+            o = None
+        choice = self._choice(OpKind.ALLTOALLV, b.dtype, None, backend)
+        writes = o.ranges() if o is not None else _NO_RANGES
+        if type(choice) is not tuple:  # routed by the agreed total, which the exchange gives
+            router = cast("Router", choice)
+            plan = Exchanged(self, b, send, tail, backend, router)
+            lanes = tuple({id(s.lane): s.lane for s, _ in router.choices}.values())
+            args = (None, b, send, o, recv)  # the group, once routed
+            fut = self._describe(OpKind.ALLTOALLV, lanes[0], plan.start, args, b.ranges(),
+                                 writes, None, b.nbytes, plan.finish, b.obj)
+            after = self._checked_after(OpKind.ALLTOALLV, None, args, [*after, plan.exchange])
+            return self._engine.submit_routed(fut, lanes, plan.choose, after)
+        slot = choice[0]
+        if recv is not None and o is not None:
             return self._submit(OpKind.ALLTOALLV, slot, slot.backend.start_alltoallv,
-                                (slot.group, b, send, o, recv), _ranges(b), _ranges(o), o.obj,
-                                None, after, b.nbytes)
-        return self._alltoallv_exchanging(b, send, tail, out, backend, after)
-
-    def _global_alltoallv_bytes(self, b: Buffer, backend: str | None) -> int:
-        """The agreed total of an alltoallv, where auto's choice depends on it (else local).
-
-        The backend must be the same on every member (rule 4 of DESIGN.md) and each member
-        knows only its own send counts: when the tuning table decides alltoallv by size, the
-        members first agree on the total (an allreduce on the control backend, waited for).
-        """
-        if backend not in (None, "auto") or not self._selector.sized(OpKind.ALLTOALLV, b.dtype,
-                                                                        self.size):
-            return b.nbytes
-        total = np.array([b.nbytes], dtype=np.int64)
-        self.allreduce(total, backend=self._runtime.control_backend).wait()
-        return int(total[0])
+                                (slot.group, b, send, o, recv), b.ranges(), writes, o.obj,
+                                b.nbytes, after, hold=b.obj)
+        plan = Exchanged(self, b, send, tail, backend, None)
+        plan.backend = slot.backend
+        return self._submit(OpKind.ALLTOALLV, slot, plan.start, (slot.group, b, send, o, recv),
+                            b.ranges(), writes, None, b.nbytes, [*after, plan.exchange],
+                            plan.finish, b.obj)
 
     def _counts(self, name: str, counts: Sequence[int]) -> tuple[int, ...]:
         try:
@@ -572,56 +531,13 @@ class Communicator:
             raise ValueError(f"{name} has a negative count: {list(values)}")
         return values
 
-    def _alltoallv_exchanging(
-        self, b: Buffer, send: tuple[int, ...], tail: tuple[int, ...], out: Any,
-        backend: str | None, after: Sequence[CommFuture],
-    ) -> CommFuture:
-        o_given = None if out is None else self._out(OpKind.ALLTOALLV, out, b, None)
-        if o_given is not None and tuple(o_given.shape[1:]) != tail:
-            raise ValueError(f"out has shape {tuple(o_given.shape)}; alltoallv of buf with "
-                             f"shape {tuple(b.shape)} needs (sum(recv_counts), *{tail})")
-        slot, _ = self._choose(OpKind.ALLTOALLV, b.dtype, None,
-                               self._global_alltoallv_bytes(b, backend), backend)
-        counts_slot, _ = self._choose(OpKind.ALLTOALL, DType.INT64, None, 8 * self.size,
-                                      slot.backend.name)
-        mine = np.asarray(send, dtype=np.int64)
-        theirs = np.empty(self.size, dtype=np.int64)
-        cb, co = new_buffer(mine, False, DType.INT64), new_buffer(theirs, False, DType.INT64)
-        counts = self._submit(OpKind.ALLTOALL, counts_slot, counts_slot.backend.start_alltoall,
-                              (counts_slot.group, cb, co), _NO_RANGES, _NO_RANGES, theirs, None,
-                              after, 8 * self.size)
-        state: dict[str, Any] = {}
-
-        def start() -> Any:
-            recv = tuple(int(c) for c in theirs)
-            rows = sum(recv)
-            if o_given is not None:
-                if o_given.shape[0] != rows:
-                    raise ValueError(
-                        f"out has {o_given.shape[0]} rows but the peers send {rows} "
-                        f"(recv_counts {list(recv)})"
-                    )
-                o = o_given
-            else:
-                o = new_buffer(b.empty((rows, *tail)), b.is_torch, b.dtype)
-            state["out"] = o.obj
-            return slot.backend.start_alltoallv(slot.group, b, send, o, recv)
-
-        def finish(fut: CommFuture) -> None:
-            fut._result = state["out"]
-
-        # start() holds b only until it runs (the output stays in state, for finish)
-        return self._submit(OpKind.ALLTOALLV, slot, start, (), _ranges(b),
-                            _ranges(o_given) if o_given is not None else _NO_RANGES, None,
-                            finish, (counts,), b.nbytes, b.obj)
-
     def barrier(
         self, *, backend: str | None = None, after: Sequence[CommFuture] = ()
     ) -> CommFuture:
         """Complete once every member has reached its barrier; resolves to None."""
         slot, _ = self._choose(OpKind.BARRIER, None, None, 0, backend)
         return self._submit(OpKind.BARRIER, slot, slot.backend.start_barrier, (slot.group,),
-                            _NO_RANGES, _NO_RANGES, None, None, after, 0)
+                            _NO_RANGES, _NO_RANGES, None, 0, after)
 
     # -- sub-communicators and lifetime --------------------------------------------------
 

@@ -6,6 +6,7 @@ __all__ = [
     "BackendError",
     "BackendUnavailableError",
     "CommAbortedError",
+    "CommBrokenError",
     "CommClosedError",
     "CommTimeoutError",
     "DependencyFailedError",
@@ -14,6 +15,7 @@ __all__ = [
     "InvalidStateError",
     "MCRDLError",
     "RuntimeFinalizedError",
+    "StartError",
     "UnknownBackendError",
     "UnsupportedOperationError",
 ]
@@ -57,6 +59,11 @@ class BackendError(MCRDLError):
     """A backend reported a failure for one operation; the message is the backend's own."""
 
 
+class StartError(BackendError):
+    """A backend could not start the operation on this rank: it never reached the peers, so
+    its communicator breaks (the peers would otherwise match the next operation in its place)."""
+
+
 class DependencyFailedError(MCRDLError):
     """An operation could not run because an operation it depends on failed or was cancelled."""
 
@@ -71,6 +78,12 @@ class CommTimeoutError(MCRDLError, TimeoutError):
 
 class DesyncError(MCRDLError):
     """Members of a communicator submitted different collectives at the same sequence number."""
+
+
+class CommBrokenError(MCRDLError):
+    """The operation's communicator broke: a member could not run one of its operations as
+    its peers expect (cancelled, a dependency failed, timed out...), so nothing more runs on
+    it, on any member. The message names that first cause."""
 
 
 class CommAbortedError(MCRDLError):

@@ -24,6 +24,7 @@ from ._errors import (
     MCRDLError,
     RuntimeFinalizedError,
 )
+from ._notices import Notices
 from ._select import DEFAULT_PREFERENCE, Selector, Slot
 from .backends import Backend, backend_class, known_backends
 from .backends._threaded import ThreadedBackend, Threads
@@ -36,6 +37,8 @@ _live: list[Runtime] = []
 _live_lock = threading.RLock()  # init() finalizes a runtime it failed to agree on
 _atexit_registered = False
 
+#: What a rank's tuning check says it holds (the first byte of its digest).
+_NONE, _TABLE, _UNREADABLE = 0, 1, 2
 #: Backends a launcher can bring up by default, in bring-up order.
 _DEFAULTS = {"mpi": ("mpi", "gloo"), "single": ("mpi", "gloo"), "torchrun": ("gloo",)}
 
@@ -57,6 +60,7 @@ class Runtime:
         engine: Engine | None = None,
         threads: Threads | None = None,
         selector: Selector | None = None,
+        notices: Any = None,
     ) -> None:
         if not backends:
             raise BackendUnavailableError("no backend could be brought up")
@@ -86,6 +90,11 @@ class Runtime:
         self.selector = selector or Selector(tuple(backends), table=self.tuning)
         if bootstrap is not None:
             bootstrap.on_peer_failure.append(self.engine.request_abort)
+        #: Tells peers of broken communicators and listens for theirs (None: no peers, or
+        #: a simulated world's own).
+        self.notices = notices
+        if notices is None and bootstrap is not None and bootstrap.size > 1:
+            self.notices = Notices(bootstrap.store(), bootstrap.rank, self.engine)
         self._comms: list[Communicator] = []
         worlds = {name: b.world() for name, b in self._backends.items()}
         debug_group = None
@@ -93,7 +102,8 @@ class Runtime:
             world_group = worlds[self.control_backend]
             debug_group = self._backends[self.control_backend].create_group(
                 world_group, list(range(world_group.size)), "world#debug")
-        self.world = self._communicator("world", worlds, debug_group)
+        size = next(iter(worlds.values())).size
+        self.world = self._communicator("world", worlds, tuple(range(size)), debug_group)
 
     def backend(self, name: str) -> Backend:
         """The backend object ``name`` (for benchmarks and tools; users pass names)."""
@@ -104,44 +114,54 @@ class Runtime:
                 f"backend {name!r} is not up in this runtime; up: {', '.join(self._backends)}"
             ) from None
 
-    def _communicator(self, name: str, groups: dict[str, Any],
+    def _communicator(self, name: str, groups: dict[str, Any], members: tuple[int, ...],
                       debug_group: Any = None) -> Communicator:
+        """The communicator ``name`` over ``groups`` (one per backend); ``members`` are its
+        world ranks, in its rank order."""
+        first = next(iter(groups.values()))
+        state = self.engine.comm(name, first.rank, first.size, members)
         slots = {}
         for bname in self.selector.preference:
             backend = self._backends[bname]
             group = groups[bname]
-            slots[bname] = Slot(backend, group, self.engine.lane(backend, group, name))
+            slots[bname] = Slot(backend, group, self.engine.lane(backend, group, state))
         debug = None
         if debug_group is not None:
             backend = self._backends[self.control_backend]
-            debug = Slot(backend, debug_group, self.engine.lane(backend, debug_group,
-                                                                 name + "#debug"))
-        comm = Communicator(self, name, slots, debug)
+            debug = Slot(backend, debug_group,
+                         self.engine.lane(backend, debug_group, state, "#debug"))
+        comm = Communicator(self, name, slots, members, debug)
         self._comms.append(comm)
         return comm
 
     def agree_on_tuning(self) -> None:
-        """Check that every rank holds the same tuning table (the hash of its entries).
+        """Check that every rank holds the same tuning table (the hash of its entries), or
+        that none holds one. Every rank runs it at ``init()``, with a table or without: a rank
+        that skipped it would match its first collective against the others' check.
 
         Raises:
-            MCRDLError: a rank could not read its table, or the tables differ; on every rank.
+            MCRDLError: a rank could not read its table, or the ranks hold different tables
+                (or some none); on every rank, naming what each holds.
         """
         digest = np.zeros(33, dtype=np.uint8)
         if self.tuning is not None:
-            digest[0] = 1
+            digest[0] = _TABLE
             digest[1:] = np.frombuffer(bytes.fromhex(self.tuning.hash), dtype=np.uint8)
+        elif self._tuning_error is not None:
+            digest[0] = _UNREADABLE
         world = self.world
         table = world.allgather(digest, backend=self.control_backend).wait().reshape(
             world.size, 33)
-        if (table == table[0]).all() and table[0, 0] == 1:
+        if (table == table[0]).all() and table[0, 0] != _UNREADABLE:
             return
-        rows = []
-        for rank, row in enumerate(table):
-            rows.append(f"rank {rank}: " + (bytes(row[1:]).hex()[:12] if row[0] else "none"))
+        names = {_NONE: "none", _UNREADABLE: "unreadable"}
+        rows = [f"rank {rank}: "
+                + (bytes(row[1:]).hex()[:12] if row[0] == _TABLE else names[int(row[0])])
+                for rank, row in enumerate(table)]
         why = f" ({self._tuning_error})" if self._tuning_error else ""
         raise MCRDLError(
             f"ranks do not hold the same tuning table{why}: {'; '.join(rows)}; give every rank "
-            f"the same file (init(tuning=...) or MCRDL_TUNING)"
+            f"the same file (init(tuning=...) or MCRDL_TUNING), or none"
         )
 
     @property
@@ -167,7 +187,8 @@ class Runtime:
             if self.config.debug:
                 debug_group = self._backends[self.control_backend].create_group(
                     parent._slots[self.control_backend].group, members, name + "#debug")
-        return self._communicator(name, groups, debug_group)
+        members = tuple(parent.members[m] for m in members)
+        return self._communicator(name, groups, members, debug_group)
 
     def close_communicator(self, comm: Communicator) -> None:
         """Wait for ``comm``'s unfinished operations, then free its groups."""
@@ -178,10 +199,23 @@ class Runtime:
                     fut.wait()
                 except Exception:  # noqa: BLE001 - its owner sees the error; we only drain
                     pass
+        self._keep_zombies(comm.slots())
         with self.engine.lock:
             for slot in comm.slots():
                 slot.backend.free_group(slot.group)
         self._comms.remove(comm)
+
+    def _keep_zombies(self, slots: list[Slot]) -> None:
+        """Before ``slots``' groups go: let each backend keep what the zombies there still
+        use (destroying a gloo group joins its threads, which wait in the abandoned
+        collective until gloo's own timeout)."""
+        zombies = self.engine.zombies()
+        if zombies:
+            with self.engine.lock:
+                for slot in slots:
+                    for fut in zombies:
+                        if fut.lane is slot.lane:
+                            slot.backend.abandon(slot.group, fut._request)
 
     def _dump_flight_record(self, expired: list[CommFuture], record: str) -> None:
         text = (
@@ -218,12 +252,16 @@ class Runtime:
         engine.fail_all(
             lambda f: RuntimeFinalizedError(f"the runtime was finalized before {f!r} finished")
         )
-        engine.close("finalize() was called")
+        if self.notices is not None:
+            self.notices.close()
         stats = engine.stats()
         if stats.failed:
             global _unhealthy
             _unhealthy = True
         self.finalized = True
+        for comm in self._comms:
+            self._keep_zombies(comm.slots())
+        engine.close("finalize() was called")
         with engine.lock:
             for comm in list(self._comms):
                 comm._mark_closed()
@@ -298,7 +336,7 @@ def init(
                 )
             up[name] = cls(bootstrap)
         runtime = Runtime(config, bootstrap, up)
-        if config.tuning:
+        if config.tuning or bootstrap.size > 1:
             try:
                 runtime.agree_on_tuning()
             except MCRDLError:

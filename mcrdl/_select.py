@@ -84,27 +84,18 @@ class Selector:
         self.preference = tuple(ordered)
         self.table = table
 
-    def sized(self, kind: OpKind, dtype: DType | None, comm_size: int) -> bool:
-        """Whether auto's choice for this operation depends on the message size."""
-        if self.table is None:
-            return False
-        route = self.table.route(kind.value, _dname(dtype), comm_size)
-        return route is not None and len(set(route[1])) > 1
-
     def choose(
         self,
         slots: Mapping[str, Slot],
         kind: OpKind,
         dtype: DType | None,
         op: ReduceOp | None,
-        nbytes: int,
         backend: str | None,
         comm_size: int = 0,
-    ) -> tuple[tuple[Slot, bool] | Router, bool]:
-        """``((slot, emulate_avg), cacheable)`` for one operation.
-
-        For ``backend="auto"`` with a tuning table whose choice depends on the size, the
-        first element is a `Router` (``router.pick(nbytes)`` gives the choice), cacheable.
+    ) -> tuple[Slot, bool] | Router:
+        """``(slot, emulate_avg)`` for an operation, whatever its size; or, for
+        ``backend="auto"`` with a tuning table whose choice depends on the global message
+        size, a `Router` (``router.pick(nbytes)`` gives the choice).
 
         Raises:
             UnknownBackendError, BackendUnavailableError: a bad ``backend`` name.
@@ -120,7 +111,7 @@ class Selector:
             if self.table is not None:
                 routed = self._routed(slots, kind, dtype, op, comm_size)
                 if routed is not None:
-                    return routed, True
+                    return routed
             name = self._auto(slots, kind, dtype, op)
         elif type(backend) is str and backend in slots:
             name = backend
@@ -145,7 +136,7 @@ class Selector:
         slot = slots[name]
         caps = slot.backend.capabilities
         emulate = op is ReduceOp.AVG and ReduceOp.AVG not in caps.reductions
-        return (slot, emulate), True
+        return slot, emulate
 
     def _routed(
         self, slots: Mapping[str, Slot], kind: OpKind, dtype: DType | None,

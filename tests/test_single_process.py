@@ -157,10 +157,11 @@ def test_import_initializes_nothing():
 
 
 PUBLIC = [
-    "BackendError", "BackendUnavailableError", "CommAbortedError", "CommClosedError",
+    "BackendError", "BackendUnavailableError", "CommAbortedError", "CommBrokenError",
+    "CommClosedError",
     "CommFuture", "CommTimeoutError", "Communicator", "DType", "DependencyFailedError",
     "DesyncError", "EngineStats", "FutureCancelledError", "InvalidStateError", "MCRDLError",
-    "OpKind", "ReduceOp", "Runtime", "RuntimeFinalizedError", "UnknownBackendError",
+    "OpKind", "ReduceOp", "Runtime", "RuntimeFinalizedError", "StartError", "UnknownBackendError",
     "UnsupportedOperationError", "current_runtime", "finalize", "init",
 ]
 

@@ -101,8 +101,8 @@ def test_selection_is_a_pure_function_of_the_facts():
     picks = set()
     for _ in range(3):
         runtime = _runtime(table)
-        choice, _ = runtime.selector.choose(runtime.world._slots, OpKind.ALLREDUCE,
-                                            DType.FLOAT32, ReduceOp.SUM, 1 << 20, None, 2)
+        choice = runtime.selector.choose(runtime.world._slots, OpKind.ALLREDUCE,
+                                         DType.FLOAT32, ReduceOp.SUM, None, 2)
         picks.add(choice.pick(1 << 20)[0].backend.name)
         runtime.engine.fail_all(lambda f: RuntimeError("done"))
     assert picks == {"gloo"}

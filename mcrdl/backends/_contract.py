@@ -245,5 +245,11 @@ class Backend(ABC):
         """Try to cancel an issued request; True if it will not complete. Default: cannot."""
         return False
 
+    def abandon(self, group: Any, request: Request) -> None:  # noqa: B027 - optional hook
+        """The engine gave up on ``request`` (timed out, aborted, its communicator broke),
+        could not cancel it, and is about to free ``group`` or close: keep whatever the
+        request may still need for the rest of the process. Default: nothing (the engine
+        keeps the request and the memory it reads and writes)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release everything; the runtime calls it once, after the engine has drained."""

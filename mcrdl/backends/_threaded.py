@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from .._errors import StartError
 from .._types import OpKind
 from ._contract import Backend, Capabilities, Group, Request
 
@@ -59,11 +60,17 @@ class _Job:
 
 
 class _Worker:
-    """One group's thread: runs its jobs one at a time, in the order they were queued."""
+    """One group's thread: runs its jobs one at a time, in the order they were queued.
+
+    After a call that raised, it runs no more calls: they were queued before the engine
+    learnt of the failure, and running one would let the peers match it in the failed one's
+    place (rule 7 of DESIGN.md). They fail with StartError instead.
+    """
 
     def __init__(self, threads: Threads, name: str) -> None:
         self.jobs: deque[_Job | None] = deque()
         self.cond = threads.condition()
+        self.failed: BaseException | None = None
         threads.spawn(self._run, name)
 
     def put(self, job: _Job | None) -> None:
@@ -79,13 +86,27 @@ class _Worker:
                 job = self.jobs.popleft()
             if job is None:
                 return
-            try:
-                job.call(*job.args)
-            except Exception as exc:  # noqa: BLE001 - reported through test()
-                job.error = exc
+            if self.failed is not None:
+                job.error = StartError(f"not started: an earlier operation of its group "
+                                       f"failed ({self.failed})")
+            else:
+                try:
+                    job.call(*job.args)
+                except Exception as exc:  # noqa: BLE001 - reported through test()
+                    job.error = self.failed = exc
             job.done = True
             with self.cond:  # a finished job is news (the simulated world counts it)
                 self.cond.notify()
+
+
+def _unstarted(name: str, error: BaseException | None) -> BaseException | None:
+    """A blocking call that raised may have failed before it reached the peers: as far as
+    they can tell, it never started (StartError breaks its communicator)."""
+    if error is None or isinstance(error, StartError):
+        return error
+    wrapped = StartError(f"{name}: {error}")
+    wrapped.__cause__ = error
+    return wrapped
 
 
 class _ThreadedGroup:
@@ -142,7 +163,8 @@ class ThreadedBackend(Backend):
         self.inner.free_group(group.inner)
 
     def test(self, requests: list[Request]) -> list[tuple[int, BaseException | None]]:
-        return [(i, job.error) for i, job in enumerate(requests) if job.done]
+        return [(i, _unstarted(self.name, job.error)) for i, job in enumerate(requests)
+                if job.done]
 
     def close(self) -> None:
         for group in self._groups:

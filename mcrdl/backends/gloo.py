@@ -21,6 +21,7 @@ Quirks beyond the contract:
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import importlib.util
 import queue
@@ -187,6 +188,16 @@ class GlooBackend(Backend):
 
     def free_group(self, group: _GlooGroup) -> None:
         group.pg = None
+
+    def abandon(self, group: _GlooGroup, request: Request) -> None:
+        """Keep ``group``'s process group for the rest of the process: destroying it joins
+        gloo's threads, which wait in the abandoned collective until gloo's own timeout (a
+        freed group blocked ``close()`` until the peer process exited)."""
+        if group.pg is not None:
+            # A reference nobody ever drops: a module-level list is emptied at interpreter
+            # exit, and the exit then blocked until the peer process ended (8 s in a probe);
+            # the process's end takes gloo's threads with it instead.
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group.pg))
 
     def close(self) -> None:
         self._waiters.close()

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._errors import BackendUnavailableError
+from .._errors import BackendError, BackendUnavailableError
 from .._types import DType, OpKind, ReduceOp
 from ._contract import Backend, Capabilities, Request
 
@@ -116,13 +116,19 @@ class SimOp:
 
 
 class _Handle:
-    """A member's request: its operation, and the member's rank."""
+    """A member's request: its operation, the member's rank, and whether it is to report a
+    failure once the operation has run (an injected fault)."""
 
-    __slots__ = ("op", "rank")
+    __slots__ = ("op", "rank", "failing")
 
-    def __init__(self, op: SimOp, rank: int) -> None:
+    def __init__(self, op: SimOp, rank: int, failing: bool) -> None:
         self.op = op
         self.rank = rank
+        self.failing = failing
+
+
+def _injected(rank: int) -> BackendError:
+    return BackendError(f"sim: a failure injected on rank {rank}")
 
 
 class SimBackend(Backend):
@@ -165,26 +171,39 @@ class SimBackend(Backend):
 
     def _collective(self, group: SimGroup, kind: str, signature: tuple[Any, ...],
                     args: tuple[Any, ...]) -> Request:
+        fault = self._fault(args)
         op = self.sim.arrive(self, group, kind, signature, args)
-        return self._started(op)
+        return self._started(op, fault)
 
-    def _started(self, op: SimOp) -> Request:
+    def _fault(self, args: tuple[Any, ...]) -> str | None:
+        """The fault injected on this operation's buffers (``"error"``), if any; an
+        injected ``"start"`` fault raises here, before the operation reaches the peers."""
+        fault: str | None = self.sim.fault(args)
+        if fault == "start":
+            raise RuntimeError(f"sim: a start failure injected on rank {self.world_rank}")
+        return fault
+
+    def _started(self, op: SimOp, fault: str | None) -> Request:
         if self.semantics == "blocking":
             self.sim.block_until_executed(op, self.world_rank)
+            if fault == "error":
+                raise _injected(self.world_rank)
             return None
-        return _Handle(op, self.world_rank)
+        return _Handle(op, self.world_rank, fault == "error")
 
     @staticmethod
     def _sig(buf: Buffer | None) -> tuple[Any, ...]:
         return (None, 0) if buf is None else (buf.dtype.value, buf.nbytes)
 
     def start_send(self, group: SimGroup, buf: Buffer, dst: int, tag: int) -> Request:
+        fault = self._fault((buf,))
         op = self.sim.arrive_p2p(self, group, "send", group.members[dst], tag, buf)
-        return self._started(op)
+        return self._started(op, fault)
 
     def start_recv(self, group: SimGroup, buf: Buffer, src: int, tag: int) -> Request:
+        fault = self._fault((buf,))
         op = self.sim.arrive_p2p(self, group, "recv", group.members[src], tag, buf)
-        return self._started(op)
+        return self._started(op, fault)
 
     def start_broadcast(self, group: SimGroup, buf: Buffer, root: int) -> Request:
         return self._collective(group, "broadcast", (root, *self._sig(buf)), (buf, root))
@@ -226,7 +245,7 @@ class SimBackend(Backend):
         out: list[tuple[int, BaseException | None]] = []
         for i, handle in enumerate(requests):
             if sim.try_execute(handle.op):
-                out.append((i, None))
+                out.append((i, _injected(handle.rank) if handle.failing else None))
         return out
 
     def describe_wait(self, request: Request) -> str | None:

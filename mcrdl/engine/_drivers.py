@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 __all__ = ["PollPolicy", "ProgressThread", "drive_async", "wait"]
 
 _clock = time.perf_counter
+_log = logging.getLogger("mcrdl")
 _sched_yield = os.sched_yield
 _sleep = time.sleep
 #: Longest single block in a backend (seconds), so that deadlines are still checked.
@@ -139,7 +141,7 @@ def wait(engine: Engine, fut: CommFuture, timeout: float | None) -> None:
     poll = engine.poll_once
     poll()
     if fut._state >= DONE:
-        engine.last_active = _clock()
+        engine.last_active = engine._clock()
         return
     if engine._closed:
         raise RuntimeFinalizedError(
@@ -172,7 +174,7 @@ def wait(engine: Engine, fut: CommFuture, timeout: float | None) -> None:
                 raise TimeoutError(
                     f"{fut!r} did not finish within {timeout} s; it is still in flight"
                 )
-            engine.check_deadlines(now)
+            engine.check_deadlines(engine._clock())
             waited = now - t0
             if engine.needs_polls():
                 _sched_yield()
@@ -187,7 +189,7 @@ def wait(engine: Engine, fut: CommFuture, timeout: float | None) -> None:
         # finds the work itself. Waking it on every exit made a waiter of N futures pay N
         # GIL hand-offs (32 µs per operation instead of 12 with 10 in flight).
         engine.drivers -= 1
-        engine.last_active = _clock()
+        engine.last_active = engine._clock()
 
 
 def _block(engine: Engine, fut: CommFuture, deadline: float | None) -> None:
@@ -203,7 +205,7 @@ def _block(engine: Engine, fut: CommFuture, deadline: float | None) -> None:
         now = _clock()
         if deadline is not None and now >= deadline:
             return
-        engine.check_deadlines(now)
+        engine.check_deadlines(engine._clock())
         _block_slice(engine, fut, _BLOCK_SLICE if deadline is None
                      else min(_BLOCK_SLICE, deadline - now))
 
@@ -264,7 +266,7 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
             if poll():
                 continue
             now = _clock()
-            engine.check_deadlines(now)
+            engine.check_deadlines(engine._clock())
             waited = now - t0
             if waited >= block_at and _may_block(engine, fut):
                 if waited >= hand_at and engine.has_background:
@@ -322,6 +324,8 @@ class ProgressThread:
         self.deep = True
         #: A lone operation an awaiting coroutine handed over: block in its backend for it.
         self.lone: CommFuture | None = None
+        self._interval = 0.0
+        self._idle_since = 0.0
 
     def wake(self) -> None:
         """Unpark the thread (start it the first time)."""
@@ -364,33 +368,45 @@ class ProgressThread:
     def _run(self) -> None:
         engine = self._engine
         policy = engine.policy
-        interval = policy.background_min
-        idle_since = _clock()
+        self._interval = policy.background_min
+        self._idle_since = _clock()
         while not self._stop:
-            lone = self.lone
-            if lone is not None:
-                self.lone = None
-                if not engine.drivers:
-                    _block(engine, lone, None)
-                continue
-            if not engine._unfinished:
-                if _clock() - idle_since > policy.deep_idle:
-                    self._park(-1, for_work=True)
-                    idle_since = _clock()
-                else:
-                    self._park(policy.background_max, for_work=True)
-                interval = policy.background_min
-                continue
-            now = idle_since = _clock()
-            if engine.drivers or now - engine.last_active < policy.background_max:
-                # A waiter drives, or the caller is busy submitting and waiting: polling now
-                # would only fight it for the GIL and the lock (10,000 operations in flight
-                # cost 15 µs each instead of 8 with the thread polling between the waits).
-                self._park(policy.background_max)
-                continue
-            if engine.poll_once() or engine.needs_polls():
-                interval = policy.background_min
+            try:
+                self._step(engine, policy)
+            except Exception:  # noqa: BLE001 - the thread must outlive any one failure
+                _log.error("mcrdl's progress thread caught an unexpected error and goes on",
+                           exc_info=True)
+                _sleep(policy.background_max)
+
+    def _step(self, engine: Engine, policy: PollPolicy) -> None:
+        """One turn of the thread: block for a handed-over lone operation, park while there
+        is nothing to do or somebody else drives, else poll once, check deadlines, nap."""
+        lone = self.lone
+        if lone is not None:
+            self.lone = None
+            if not engine.drivers:
+                _block(engine, lone, None)
+            return
+        if not engine._unfinished:
+            if _clock() - self._idle_since > policy.deep_idle:
+                self._park(-1, for_work=True)
+                self._idle_since = _clock()
             else:
-                engine.check_deadlines(_clock())
-                interval = min(interval * 2, policy.background_max)
-            _sleep(interval)
+                self._park(policy.background_max, for_work=True)
+            self._interval = policy.background_min
+            return
+        self._idle_since = _clock()
+        if engine.drivers or engine._clock() - engine.last_active < policy.background_max:
+            # A waiter drives, or the caller is busy submitting and waiting: polling now
+            # would only fight it for the GIL and the lock (10,000 operations in flight
+            # cost 15 µs each instead of 8 with the thread polling between the waits).
+            self._park(policy.background_max)
+            return
+        if engine.poll_once() or engine.needs_polls():
+            self._interval = policy.background_min
+        else:
+            self._interval = min(self._interval * 2, policy.background_max)
+        # Whatever is in flight: a timeout or an abort must surface while the caller
+        # computes, not only when some thread waits (it is rate-limited inside).
+        engine.check_deadlines(engine._clock())
+        _sleep(self._interval)

@@ -1,7 +1,15 @@
-"""CommFuture: the one thing every operation returns; a node of the engine's dependency DAG."""
+"""CommFuture: one operation, as the front describes it and as the engine advances it.
+
+Every operation is one small object (as asyncio's ``Handle`` is one per callback): the front
+fills in what to run and what it touches (the *descriptor*: kind, lane, how to start it, its
+byte ranges, its result), hands it to ``Engine.submit``, and the caller gets the same object
+back as its future. Observers of submissions (``Engine.observe``: record/replay, logging) read
+the descriptor; the engine owns the rest.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
@@ -11,94 +19,116 @@ if TYPE_CHECKING:
     from ._lanes import Lane
     from ._progress import Engine
 
-__all__ = ["CANCELLED", "DONE", "FAILED", "ISSUED", "PENDING", "STATE_NAMES", "CommFuture"]
+__all__ = ["CANCELLED", "DONE", "FAILED", "ISSUED", "PENDING", "STATE_NAMES", "CommFuture",
+           "report_callback_error"]
 
 from ._drivers import wait as _wait
 from ._states import CANCELLED, DONE, FAILED, ISSUED, PENDING, STATE_NAMES
 
+_log = logging.getLogger("mcrdl")
+Ranges = tuple[tuple[int, int], ...]
+
+
+def report_callback_error(fn: Callable[..., object], fut: CommFuture) -> None:
+    """Log the exception a done-callback raised (call from its ``except``), as asyncio's
+    exception handler does: a callback's failure is its own, never its caller's."""
+    _log.error("Exception in done-callback %r of %r", fn, fut, exc_info=True)
+
 
 class CommFuture:
-    """The result of one submitted operation: awaitable, waitable, and a node of the DAG.
+    """One submitted operation: awaitable, waitable, and a node of the engine's DAG.
 
     Use ``y = await fut`` in asyncio code and ``y = fut.wait()`` in ordinary code; both drive
     the engine's progress from the waiting thread. The operation was submitted when the future
-    was made; nothing the caller does with the future changes what is sent.
+    was returned; nothing the caller does with the future changes what is sent.
+
+    The descriptor (set by the front before ``Engine.submit``):
+        kind: the operation (``"allreduce"``), seq: its number on its communicator,
+        lane: where it is issued, start and args: ``start(*args)`` issues it and returns the
+        backend's request, reads and writes: the byte ranges it touches, nbytes: what it
+        moves, finish: run on success before it resolves (an emulated AVG's division),
+        hold: what else must stay alive while the backend may use it (the caller's objects it
+        reads or writes by address, besides the result).
 
     Invariants:
     - state moves PENDING -> ISSUED -> {DONE, FAILED}, or PENDING -> {FAILED, CANCELLED};
       never back.
-    - ``_callbacks`` is None once the state is terminal; a late add_done_callback runs at once.
-    - ``_start`` and ``_args`` are set while PENDING only; ``_hold`` (the caller's objects the
-      backend uses by address, besides ``_result``) until the state is terminal.
+    - ``_callbacks`` is None once the state is terminal; registration and settling both hold
+      the engine's lock, and a late add_done_callback runs at once.
+    - ``start`` and ``args`` are set while PENDING only; ``hold`` until the backend is done
+      with the memory (past the end, for an issued operation the engine gave up on).
     - ``_deps_left`` counts unfinished dependencies; the engine issues the operation only when
       it is 0 and the operation is the oldest unissued one of its lane.
     - ``_dependants`` lists the futures that counted this one in their ``_deps_left``.
+    - ``_route`` is set while an operation whose lane is chosen late (``Engine.submit_routed``)
+      waits for its dependencies.
     """
 
     __slots__ = (
+        # the descriptor
+        "kind",
+        "seq",
+        "lane",
+        "start",
+        "args",
+        "reads",
+        "writes",
+        "nbytes",
+        "finish",
+        "hold",
+        # the engine's
         "_engine",
         "_state",
         "_result",
         "_error",
         "_callbacks",
-        "kind",
-        "seq",
-        "lane",
-        "_start",
-        "_args",
-        "_hold",
-        "_finish",
         "_deps_left",
         "_dependants",
-        "_reads",
-        "_writes",
         "_request",
+        "_route",
         "t_submit",
         "t_issue",
         "t_done",
-        "nbytes",
     )
 
-    # Set when they come to exist (see __init__); _hold only where there is one.
+    # Set when they come to exist: by submit, at issue, at the end.
+    _engine: Engine
     _error: BaseException | None
     _request: Any
-    _hold: Any
+    t_submit: float
     t_done: float
 
     def __init__(
         self,
-        engine: Engine,
         kind: str,
         lane: Lane,
         seq: int,
         start: Callable[..., Any] | None,
         args: tuple[Any, ...] | None,
-        reads: tuple[tuple[int, int], ...],
-        writes: tuple[tuple[int, int], ...],
+        reads: Ranges,
+        writes: Ranges,
         result: Any,
-        finish: Callable[[CommFuture], None] | None,
         nbytes: int,
-        t_submit: float,
+        finish: Callable[[CommFuture], None] | None = None,
+        hold: Any = None,
     ) -> None:
-        # Only what is read before the operation finishes is set here (this runs for every
-        # operation); _error, _request and t_done are set when they come to exist.
-        self._engine = engine
+        self.kind = kind
+        self.seq = seq
+        self.lane = lane
+        self.start = start
+        self.args = args
+        self.reads = reads
+        self.writes = writes
+        self.nbytes = nbytes
+        self.finish = finish
+        self.hold = hold
         self._state = PENDING
         self._result = result
         # () until the first callback arrives (no list per operation), None once terminal.
         self._callbacks: list[Callable[[CommFuture], object]] | tuple[()] | None = ()
-        self.kind = kind
-        self.lane = lane
-        self.seq = seq
-        self._start = start
-        self._args = args
-        self._reads = reads
-        self._writes = writes
-        self._finish = finish
         self._deps_left = 0
         self._dependants: list[CommFuture] | None = None
-        self.nbytes = nbytes
-        self.t_submit = t_submit
+        self._route: Any = None
         self.t_issue = 0.0
 
     # -- state ---------------------------------------------------------------------------
@@ -113,7 +143,7 @@ class CommFuture:
         return self._state >= DONE
 
     def cancelled(self) -> bool:
-        """True if the operation was cancelled before it was issued."""
+        """True if the operation was cancelled."""
         return self._state == CANCELLED
 
     def result(self) -> Any:
@@ -142,18 +172,25 @@ class CommFuture:
         return None if state == DONE else self._error
 
     def add_done_callback(self, fn: Callable[[CommFuture], object]) -> None:
-        """Call ``fn(self)`` once the future is done (at once if it is already).
+        """Call ``fn(self)`` once the future is done (at once, here, if it is already).
 
-        Callbacks run in whichever thread drives the engine when the operation finishes, after
-        the engine's lock is released; they may submit new operations.
+        Callbacks run in whichever thread drives the engine when the operation finishes,
+        after the engine's lock is released; they may submit new operations. One that raises
+        is reported through the ``mcrdl`` logger and never reaches the waiter or the other
+        callbacks. Never call this from a ``finish`` step (it holds the engine's lock).
         """
-        callbacks = self._callbacks
-        if callbacks is None:
+        with self._engine._lock:  # the settle swaps _callbacks under it: nothing is lost
+            callbacks = self._callbacks
+            if callbacks is not None:
+                if callbacks:
+                    callbacks.append(fn)
+                else:
+                    self._callbacks = [fn]
+                return
+        try:
             fn(self)
-        elif callbacks:
-            callbacks.append(fn)
-        else:
-            self._callbacks = [fn]
+        except Exception:  # noqa: BLE001 - reported, as for every callback
+            report_callback_error(fn, self)
 
     # -- waiting -------------------------------------------------------------------------
 
@@ -175,19 +212,22 @@ class CommFuture:
             engine = self._engine
             if not engine.spin_lone(self):
                 _wait(engine, self, timeout)
-        if self._state == DONE:
-            return self._result
         return self.result()
 
     def __await__(self) -> Generator[Any, None, Any]:
+        # Cancelling the awaiting task stops the waiting, never the operation: its peers
+        # match it whatever this task does next.
         if self._state < DONE:
             yield from self._engine.drive_async(self)
         return self.result()
 
     def cancel(self) -> bool:
-        """Cancel the operation if it has not been issued; False if it has finished already.
+        """Cancel the operation; False if it has finished already.
 
-        Its dependants fail with DependencyFailedError.
+        Its peers match it by its position on the communicator, so a cancelled operation
+        breaks its communicator on every member (unless it has no peers): the other
+        unfinished and later operations on it fail with CommBrokenError, naming this
+        cancellation. Its dependants fail with DependencyFailedError.
 
         Raises:
             InvalidStateError: the operation was issued and its backend cannot cancel it.

@@ -1,4 +1,4 @@
-"""Lanes: one ordered issue queue per (backend, communicator), and its flight record."""
+"""Lanes: one ordered issue queue per (backend, communicator), and the communicators they serve."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from ..backends import Backend
     from ._future import CommFuture
 
-__all__ = ["Lane", "OpRecord", "flight_record"]
+__all__ = ["CommState", "Lane", "OpRecord", "flight_record"]
 
 #: How many finished operations each lane remembers for the flight recorder.
 HISTORY = 64
@@ -30,6 +30,41 @@ class OpRecord(NamedTuple):
     detail: str
 
 
+class CommState:
+    """The engine's view of one communicator: its lanes, its members, and whether it broke.
+
+    Peers match every operation on a communicator by its position (MPI and NCCL order
+    collectives by call order; sends and receives by order per peer and tag). So an operation
+    that will not run as issued on one member -- it ends unissued (cancelled, a dependency
+    failed, its start failed) or the engine gives up on it while issued (timed out, aborted)
+    -- would leave the peers matching different operations from then on: wrong data, and no
+    error. The communicator *breaks* instead, on every member: its unfinished and later
+    operations fail with CommBrokenError naming the first cause, and nothing is issued on it
+    again (DESIGN.md rule 7; ``Engine`` applies it, the runtime's notices tell the peers).
+    A failure the backend reports for an issued operation (a truncated receive) is that
+    operation's own: its peers matched it, and the communicator stays in step.
+
+    Invariants:
+    - ``lanes`` are every lane of the communicator, its debug lane included.
+    - ``broken`` is None, or the first cause, and never changes back.
+    - ``members`` are the world ranks of its members, in its rank order (whom to tell).
+    """
+
+    __slots__ = ("name", "rank", "size", "members", "lanes", "broken")
+
+    def __init__(self, name: str, rank: int, size: int, members: tuple[int, ...]) -> None:
+        self.name = name
+        self.rank = rank
+        self.size = size
+        self.members = members
+        self.lanes: list[Lane] = []
+        self.broken: str | None = None
+
+    def __repr__(self) -> str:
+        state = f" broken: {self.broken}" if self.broken is not None else ""
+        return f"<CommState {self.name} rank={self.rank}/{self.size}{state}>"
+
+
 class Lane:
     """The issue queue of one backend on one communicator.
 
@@ -41,12 +76,14 @@ class Lane:
     - ``pending`` holds the lane's unissued operations in submission order; only its head may
       be issued, and only once its dependencies have finished.
     - ``history`` holds records of the last ``HISTORY`` operations that finished on this lane.
+    - ``comm`` is the communicator the lane belongs to; ``comm.lanes`` holds it.
     """
 
     __slots__ = (
         "backend",
         "backend_name",
         "group",
+        "comm",
         "comm_name",
         "rank",
         "size",
@@ -57,11 +94,12 @@ class Lane:
         "spins_alone",
     )
 
-    def __init__(self, backend: Backend, group: Any, comm_name: str) -> None:
+    def __init__(self, backend: Backend, group: Any, comm: CommState, name: str) -> None:
         self.backend = backend
         self.backend_name = backend.name
         self.group = group
-        self.comm_name = comm_name
+        self.comm = comm
+        self.comm_name = name
         self.rank: int = group.rank
         self.size: int = group.size
         self.pending: deque[CommFuture] = deque()

@@ -1,13 +1,24 @@
 """The progress engine: the only code that issues operations, tests requests and resolves futures.
 
-One engine per runtime. Operations arrive through ``submit`` with their lane, their byte
-ranges and their explicit ``after=`` edges; the engine turns those into DAG edges (see
+One engine per runtime. Operations arrive through ``submit`` as `CommFuture` descriptors with
+their explicit ``after=`` edges; the engine turns their byte ranges into DAG edges (see
 ``_hazards``), issues each lane's operations in submission order once their dependencies have
 finished, and resolves futures as the backends report completion in ``poll_once``. Everything
 that mutates engine state runs under one lock, so that a backend is only ever called by one
 thread at a time (MPI can then run at thread level SERIALIZED, which halves its small-message
 cost here). Who calls ``poll_once`` is the drivers' business (``_drivers``): the thread that
 waits, an asyncio task that awaits, or the background thread while nobody waits.
+
+Every operation ends in ``_settle``, whatever ends it: completion, a backend's error, a failed
+dependency, cancellation, a timeout, an abort, or its communicator breaking. ``_settle`` is
+also where DESIGN.md's rule 7 is applied: an operation that will not run as issued breaks its
+communicator (see `CommState`).
+
+Issued operations the engine gives up on (timed out, aborted, their communicator broken) while
+their backend cannot cancel them become *zombies*: their future fails, but their request, the
+memory they use and their byte ranges stay with the engine until the backend reports them
+finished (MPI collectives cannot be cancelled, and may still write their output). A new
+operation on such bytes fails at once instead of racing the backend's late writes.
 """
 
 from __future__ import annotations
@@ -22,18 +33,21 @@ from typing import TYPE_CHECKING, Any
 from .._errors import (
     BackendError,
     CommAbortedError,
+    CommBrokenError,
     CommTimeoutError,
-    DesyncError,
-    MCRDLError,
     DependencyFailedError,
+    DesyncError,
     FutureCancelledError,
     InvalidStateError,
+    MCRDLError,
     RuntimeFinalizedError,
+    StartError,
 )
 from . import _drivers
 from ._future import CANCELLED, DONE, FAILED, ISSUED, PENDING, STATE_NAMES, CommFuture
+from ._future import report_callback_error
 from ._hazards import HazardIndex
-from ._lanes import Lane, flight_record
+from ._lanes import CommState, Lane, flight_record
 from ._tracks import Track
 
 if TYPE_CHECKING:
@@ -45,18 +59,23 @@ __all__ = ["Engine", "EngineStats"]
 #: costs as much as a test; other threads wait at most a burst for the lock).
 _BURST = 8
 
-Ranges = tuple[tuple[int, int], ...]
+#: Errors that mean an issued operation will not run as its peers expect, so that it breaks
+#: its communicator like an operation that was never issued: the engine gave up on it
+#: (timed out, aborted, finalized, cancelled), or it never started (a backend's worker
+#: thread could not start it). Any other error a backend reports is the operation's own.
+_NOT_AS_ISSUED = (CommTimeoutError, CommAbortedError, RuntimeFinalizedError,
+                  FutureCancelledError, StartError)
 
-#: What an operation leaves behind when it fails while issued (timed out, aborted) and its
-#: backend cannot cancel it: its request and the objects it used by address. The backend may
-#: still read or write that memory (MPI collectives cannot be cancelled), so these stay alive
-#: for the rest of the process instead of being freed under it.
-_ABANDONED: list[tuple[Any, Any, Any]] = []
+#: Errors that end an unissued operation without breaking its communicator: it is broken
+#: already, or debug mode refused the operation, which every member does alike (they all
+#: read the same fingerprints), so the members stay in step.
+_IN_STEP = (CommBrokenError, DesyncError)
 
+#: What zombies leave behind when the engine closes with them unfinished: their requests and
+#: the memory their backends may still use, kept for the rest of the process.
+_ABANDONED: list[tuple[Any, Any]] = []
 
-def _abandon(fut: CommFuture) -> None:
-    """Keep what issued ``fut`` may still have in use by its backend (before it settles)."""
-    _ABANDONED.append((fut._request, getattr(fut, "_hold", None), fut._result))
+Observer = Callable[[CommFuture, tuple[CommFuture, ...]], None]
 
 
 @dataclass(frozen=True)
@@ -69,6 +88,7 @@ class EngineStats:
         in_flight: issued, not yet finished.
         polls: calls of ``poll_once`` that ran (took the lock).
         lanes: lanes created.
+        zombies: failed operations whose backend may still use their memory.
     """
 
     submitted: int
@@ -80,6 +100,7 @@ class EngineStats:
     in_flight: int
     polls: int
     lanes: int
+    zombies: int = 0
 
 
 class Engine:
@@ -88,12 +109,15 @@ class Engine:
     Invariants:
     - ``poll_once`` and every state change run under ``_lock``; callbacks run after it is
       released.
-    - every unfinished future is in exactly one place: its lane's ``pending`` (PENDING) or its
-      backend's ``_Track`` (ISSUED); ``_unfinished`` counts them.
+    - every unfinished future is in exactly one place: its lane's ``pending`` (PENDING; a
+      routed one in each of its candidate lanes' until it is routed) or its backend's
+      ``Track`` (ISSUED); ``_unfinished`` counts them.
     - dependency edges point from a future to futures submitted before it (rule 3 of DESIGN.md),
       so the wait-for graph of a rank is acyclic.
-    - the hazard index holds the ranges of every unfinished operation except ``_unindexed``,
-      which is the newest submitted one (so the index always holds a prefix of submissions).
+    - the hazard index holds the ranges of every unfinished operation and every zombie except
+      ``_unindexed``, the newest submitted one (so the index always holds a prefix of
+      submissions).
+    - ``_zombies`` are FAILED futures whose requests are not yet finished in their backend.
     """
 
     def __init__(
@@ -111,8 +135,11 @@ class Engine:
         self._tracks: dict[Backend, Track] = {}
         self._track_list: list[Track] = []
         self._lanes: dict[tuple[str, str], Lane] = {}
+        self._comms: dict[str, CommState] = {}
         self._due: list[tuple[Callable[[CommFuture], object], CommFuture]] = []
         self._work: deque[tuple[CommFuture, BaseException | None]] = deque()
+        self._observers: list[Observer] = []
+        self._zombies: dict[CommFuture, None] = {}
         # The newest operation, if it was issued at once and is unfinished, has its ranges
         # recorded only when the next one arrives: a program that waits for each operation
         # before the next never pays for the hazard index.
@@ -126,6 +153,16 @@ class Engine:
         self._on_timeout = on_timeout
         self._next_check = 0.0
         self._abort_reason: str | None = None
+        #: Breaks that peers told of, not yet applied (filled from any thread).
+        self._told: deque[tuple[str, str]] = deque()
+        #: Breaks told of communicators this rank has not made yet (a peer may break one
+        #: while this rank is still making it): applied when it is made.
+        self._told_early: dict[str, str] = {}
+        #: Breaks of this rank's own making, to tell the peers of once the lock is released.
+        self._to_tell: list[tuple[CommState, str]] = []
+        #: Tells a break's peers (the runtime's notices): ``on_break(comm, cause)``, called
+        #: without the lock; None where nobody needs telling.
+        self.on_break: Callable[[CommState, str], None] | None = None
         #: Number of threads or tasks driving progress in a wait right now.
         self.drivers = 0
         #: When the caller last submitted or stopped waiting (the background thread keeps out
@@ -150,17 +187,34 @@ class Engine:
         """How drivers idle between polls; fixed when the engine is made."""
         return self._policy
 
-    # -- lanes ---------------------------------------------------------------------------
+    # -- communicators and lanes ---------------------------------------------------------
 
-    def lane(self, backend: Backend, group: Any, comm_name: str) -> Lane:
-        """The lane of ``backend`` on the communicator ``comm_name`` (made on first use)."""
-        key = (backend.name, comm_name)
+    def comm(self, name: str, rank: int, size: int, members: Iterable[int] = ()) -> CommState:
+        """The communicator ``name`` (made on first use): ``rank`` of ``size``, ``members``
+        its world ranks in its rank order."""
+        state = self._comms.get(name)
+        if state is None:
+            with self._lock:
+                state = self._comms.get(name)
+                if state is None:
+                    state = self._comms[name] = CommState(name, rank, size, tuple(members))
+                    early = self._told_early.pop(name, None)
+                    if early is not None:  # a peer broke it before it existed here
+                        state.broken = early
+        return state
+
+    def lane(self, backend: Backend, group: Any, comm: CommState, suffix: str = "") -> Lane:
+        """The lane of ``backend`` on ``comm`` (made on first use); ``suffix`` names a second
+        lane of the same backend there (the debug lane)."""
+        name = comm.name + suffix
+        key = (backend.name, name)
         lane = self._lanes.get(key)
         if lane is None:
             with self._lock:
                 lane = self._lanes.get(key)
                 if lane is None:
-                    lane = self._lanes[key] = Lane(backend, group, comm_name)
+                    lane = self._lanes[key] = Lane(backend, group, comm, name)
+                    comm.lanes.append(lane)
                     track = self._tracks.get(backend)
                     if track is None:
                         track = self._tracks[backend] = Track(backend)
@@ -177,107 +231,138 @@ class Engine:
         """The engine's lock: hold it for any direct call into a backend outside the engine."""
         return self._lock
 
+    # -- observers -----------------------------------------------------------------------
+
+    def observe(self, fn: Observer) -> Callable[[], None]:
+        """Call ``fn(fut, after)`` for every operation submitted from now on, before it is
+        issued (its descriptor complete); returns a function that stops the calls.
+
+        Observers run in the submitting thread, without the engine's lock; they must not
+        submit operations.
+        """
+        with self._lock:
+            self._observers = [*self._observers, fn]
+
+        def stop() -> None:
+            with self._lock:
+                self._observers = [o for o in self._observers if o is not fn]
+
+        return stop
+
     # -- submission ----------------------------------------------------------------------
 
-    def submit(
-        self,
-        kind: str,
-        lane: Lane,
-        seq: int,
-        start: Callable[..., Any],
-        args: tuple[Any, ...],
-        reads: Ranges,
-        writes: Ranges,
-        result: Any,
-        finish: Callable[[CommFuture], None] | None = None,
-        after: Iterable[CommFuture] = (),
-        nbytes: int = 0,
-        hold: Any = None,
-    ) -> CommFuture:
-        """Add an operation; issue it at once if its lane and dependencies allow.
-
-        ``start(*args)`` issues it and returns the backend's request; ``reads`` and ``writes``
-        are the byte ranges it touches; ``result`` is what the future resolves to; ``finish``
-        runs on success before the future resolves (e.g. the division of an emulated AVG).
-        ``hold`` is what else must stay alive until the operation finishes: the caller's
-        objects whose memory the backend reads or writes by address (MPI), other than
-        ``result``. ``start`` and ``args`` are released once the operation is issued: an
-        operation in flight keeps two objects fewer for the garbage collector to scan.
-        """
+    def submit(self, fut: CommFuture, after: Iterable[CommFuture] = ()) -> CommFuture:
+        """Add the operation ``fut`` describes; issue it at once if its lane and its
+        dependencies allow. Returns ``fut``."""
         if after:
             after = self._check_after(after)
-        self.last_active = now = self._clock()
+        if self._observers:
+            for observer in self._observers:
+                observer(fut, after)  # type: ignore[arg-type]
+        fut._engine = self
+        fut.t_submit = self.last_active = self._clock()
         lock = self._lock
         lock.acquire()
         try:
-            if self._closed:
-                raise RuntimeFinalizedError(
-                    f"cannot submit {kind}: the runtime was finalized ({self._closed_why})"
-                )
-            self._unfinished += 1
-            hazards = self._hazards
-            last = self._unindexed
-            if last is not None:
-                # The previous operation is still unfinished: its ranges matter now.
-                self._unindexed = None
-                if last._reads or last._writes:
-                    hazards.add(last, last._reads, last._writes)
-            # (the index's dict read directly: a __bool__ call would cost a frame per submit)
-            deps = hazards.conflicts(reads, writes) if hazards._regions else None
-            if not deps and not after and not lane.pending:
-                # Issue first, then make the future and record the ranges: the network starts
-                # sooner (the peers' messages are on their way while this runs), and under the
-                # lock nobody sees the difference (a completion is only queued here, so the
-                # ranges are in place before anything settles).
-                try:
-                    req = start(*args)
-                except Exception as exc:  # fails the future, not the process
-                    fut = CommFuture(self, kind, lane, seq, start, args, reads, writes, result,
-                                     finish, nbytes, now)
-                    self._start_failed(fut, exc)
-                else:
-                    fut = CommFuture(self, kind, lane, seq, None, None, reads, writes, result,
-                                     finish, nbytes, now)
-                    if hold is not None:  # (set only where there is one: most have none)
-                        fut._hold = hold
-                    self._issued(fut, req, now)
+            deps = self._admit(fut)
+            lane = fut.lane
+            if lane.comm.broken is not None:
+                self._work.append((fut, self._broken_error(fut)))
+            elif not deps and not after and not lane.pending:
+                self._issue(fut)
                 self._unindexed = fut
-                if self._work:
-                    self._run_work()
             else:
-                fut = CommFuture(self, kind, lane, seq, start, args, reads, writes, result,
-                                 finish, nbytes, now)
-                if hold is not None:
-                    fut._hold = hold
-                if after:
-                    deps = self._after_edges(fut, after, deps)
-                if deps is None and after:
-                    self._run_work()  # an after= dependency failed already: fut fails with it
-                elif not deps and not lane.pending:
-                    self._issue(fut)
-                    self._unindexed = fut
-                    if self._work:
-                        self._run_work()
-                else:
-                    if reads or writes:
-                        hazards.add(fut, reads, writes)
-                    if deps:
-                        fut._deps_left = len(deps)
-                        for dep in deps:
-                            dependants = dep._dependants
-                            if dependants is None:
-                                dep._dependants = [fut]
-                            else:
-                                dependants.append(fut)
-                    lane.pending.append(fut)
+                self._enqueue(fut, deps, after)  # type: ignore[arg-type]
+            if self._work:
+                self._run_work()
         finally:
             lock.release()
-        if self._due:
-            self._flush_due()
-        thread = self._thread
-        if thread is not None and thread.deep:
-            thread.wake()
+        self._after_lock()
         return fut
+
+    def submit_routed(self, fut: CommFuture, lanes: tuple[Lane, ...],
+                      choose: Callable[[CommFuture], None],
+                      after: Iterable[CommFuture] = ()) -> CommFuture:
+        """Submit an operation whose lane is known only once its dependencies have finished.
+
+        ``fut.lane`` is a placeholder among ``lanes``, the candidates (all of one
+        communicator); ``choose(fut)`` runs when the dependencies are met and sets
+        ``fut.lane``, ``fut.start`` and ``fut.args``. Meanwhile the operation holds its place
+        in every candidate lane, so whichever it goes to, every member issues it at the same
+        position there (rule 2 of DESIGN.md): an alltoallv routed by its agreed total size
+        waits for the exchange that agrees on it without blocking anything submitted before.
+        """
+        if after:
+            after = self._check_after(after)
+        if self._observers:
+            for observer in self._observers:
+                observer(fut, after)  # type: ignore[arg-type]
+        fut._engine = self
+        fut.t_submit = self.last_active = self._clock()
+        with self._lock:
+            deps = self._admit(fut)
+            if fut.lane.comm.broken is not None:
+                self._work.append((fut, self._broken_error(fut)))
+            else:
+                fut._route = (lanes, choose)
+                self._enqueue(fut, deps, after)  # type: ignore[arg-type]
+            if self._work:
+                self._run_work()
+        self._after_lock()
+        return fut
+
+    def _admit(self, fut: CommFuture) -> dict[CommFuture, None] | None:
+        """Count ``fut`` in and find the unfinished operations whose bytes it touches."""
+        if self._closed:
+            raise RuntimeFinalizedError(
+                f"cannot submit {fut.kind}: the runtime was finalized ({self._closed_why})"
+            )
+        self._unfinished += 1
+        hazards = self._hazards
+        last = self._unindexed
+        if last is not None:
+            # The previous operation is still unfinished: its ranges matter now.
+            self._unindexed = None
+            if last.reads or last.writes:
+                hazards.add(last, last.reads, last.writes)
+        # (the index's dict read directly: a __bool__ call would cost a frame per submit)
+        if not hazards._regions:
+            return None
+        deps = hazards.conflicts(fut.reads, fut.writes)
+        if deps and self._zombies:
+            self._past_zombies(deps)
+        return deps
+
+    def _enqueue(self, fut: CommFuture, deps: dict[CommFuture, None] | None,
+                 after: tuple[CommFuture, ...]) -> None:
+        """Queue ``fut`` behind its dependencies and its lane (or issue it, if nothing holds
+        it back after all)."""
+        if after or (deps and self._zombies):
+            deps = self._edges(fut, after, deps)
+            if deps is None:
+                return  # a dependency failed already: fut fails with it (queued in _work)
+        routed = fut._route is not None
+        if not deps and not routed and not fut.lane.pending:
+            self._issue(fut)
+            self._unindexed = fut
+            return
+        if fut.reads or fut.writes:
+            self._hazards.add(fut, fut.reads, fut.writes)
+        if deps:
+            fut._deps_left = len(deps)
+            for dep in deps:
+                dependants = dep._dependants
+                if dependants is None:
+                    dep._dependants = [fut]
+                else:
+                    dependants.append(fut)
+        if routed:
+            for lane in fut._route[0]:
+                lane.pending.append(fut)
+            if not deps:
+                self._route(fut)
+        else:
+            fut.lane.pending.append(fut)
 
     def _check_after(self, after: Iterable[CommFuture]) -> tuple[CommFuture, ...]:
         after = tuple(after)
@@ -286,66 +371,108 @@ class Engine:
                 raise TypeError(
                     f"after= takes CommFutures, got {type(dep).__qualname__}: {dep!r}"
                 )
-            if dep._engine is not self:
+            if getattr(dep, "_engine", None) is not self:
                 raise ValueError(f"after= got {dep!r}, a future of another runtime")
         return after
 
-    def _after_edges(
-        self, fut: CommFuture, after: Iterable[CommFuture], deps: dict[CommFuture, None] | None
+    def _edges(
+        self, fut: CommFuture, after: tuple[CommFuture, ...],
+        deps: dict[CommFuture, None] | None,
     ) -> dict[CommFuture, None] | None:
-        """Add ``after=`` edges to ``deps``; None (and ``fut`` failed) if one failed already."""
+        """``deps`` with ``after=`` added; None (and ``fut`` failed) if one of them failed
+        already, or is a zombie whose bytes ``fut`` touches."""
         deps = dict(deps) if deps else {}
         for dep in after:
+            deps[dep] = None
+        for dep in deps:
             state = dep._state
             if state < DONE:
-                deps[dep] = None
-            elif state != DONE:
-                self._work.append((fut, DependencyFailedError(
-                    f"{fut.kind}#{fut.seq} on {fut.lane.backend_name} depends on "
-                    f"{dep.kind}#{dep.seq}, which {STATE_NAMES[state].lower()}: {dep._error}"
-                )))
-                return None
-        return deps
+                continue
+            if state == DONE:  # an after= dependency that finished already
+                continue
+            if dep in self._zombies:
+                why = (f"touches bytes that {dep.kind}#{dep.seq} on "
+                       f"{dep.lane.backend_name} may still write: it was given up while "
+                       f"issued ({dep._error}), and its backend cannot cancel it")
+            else:
+                why = (f"depends on {dep.kind}#{dep.seq}, which "
+                       f"{STATE_NAMES[state].lower()}: {dep._error}")
+            self._work.append((fut, DependencyFailedError(
+                f"{fut.kind}#{fut.seq} on {fut.lane.backend_name} {why}")))
+            return None
+        return {dep: None for dep in deps if dep._state < DONE}
+
+    def _past_zombies(self, deps: dict[CommFuture, None]) -> None:
+        """Bury the zombies among ``deps`` whose backend has finished with them meanwhile;
+        the others stay in ``deps`` (and fail the operation that touches their bytes)."""
+        for dep in [d for d in deps if d in self._zombies]:
+            if self._zombie_done(dep):
+                del deps[dep]
 
     # -- issuing and settling (lock held) ------------------------------------------------
 
     def _issue(self, fut: CommFuture) -> None:
         try:
-            req = fut._start(*fut._args)  # type: ignore[misc]  # both set until issued
+            req = fut.start(*fut.args)  # type: ignore[misc]  # both set until issued
         except Exception as exc:  # a backend refusing at start fails the future, not the process
-            self._start_failed(fut, exc)
+            err = StartError(f"{fut.kind}#{fut.seq} on {fut.lane.backend_name} failed to "
+                             f"start: {exc}")
+            err.__cause__ = exc
+            self._work.append((fut, err))
             return
-        fut._args = None  # what stays alive in flight is _hold
-        self._issued(fut, req, self._clock())
-
-    def _issued(self, fut: CommFuture, req: Any, now: float) -> None:
-        """Record that ``fut`` was issued at ``now`` and gave ``req`` (None: finished)."""
-        fut.t_issue = now
+        fut.start = fut.args = None  # what stays alive in flight is hold
+        fut.t_issue = self._clock()
         fut._state = ISSUED
-        fut._start = None  # one object fewer alive per operation in flight
         if req is None:  # finished during the start call
             self._work.append((fut, None))
             return
         fut._request = req
         fut.lane.track.add(fut, req)
 
-    def _start_failed(self, fut: CommFuture, exc: Exception) -> None:
-        err = BackendError(f"{fut.kind}#{fut.seq} on {fut.lane.backend_name} failed to start: {exc}")
-        err.__cause__ = exc
-        self._work.append((fut, err))
-
     def _pump(self, lane: Lane) -> None:
         """Issue the lane's head operations, in order, while their dependencies are met."""
+        if lane.comm.broken is not None:
+            return  # its pending operations are failing already: nothing is issued again
         pending = lane.pending
         while pending:
             head = pending[0]
             if head._state != PENDING:  # failed or cancelled while waiting: skip it
                 pending.popleft()
                 continue
-            if head._deps_left:
+            if head._deps_left or head._route is not None:
+                return
+            self._issue(head)
+            if head._state == PENDING:
+                # Its start failed: the lane waits for that failure to settle (which breaks
+                # the communicator) instead of issuing what follows in its place.
                 return
             pending.popleft()
-            self._issue(head)
+
+    def _route(self, fut: CommFuture) -> None:
+        """``fut``'s dependencies are met: choose its lane, and let the others go on."""
+        lanes, choose = fut._route
+        fut._route = None
+        try:
+            choose(fut)
+        except Exception as exc:  # noqa: BLE001 - fails the operation, not the engine
+            err = exc if isinstance(exc, MCRDLError) else BackendError(
+                f"{fut.kind}#{fut.seq}: choosing its backend failed: {exc}")
+            if err is not exc:
+                err.__cause__ = exc
+            self._unroute(fut, lanes)
+            self._work.append((fut, err))
+            return
+        self._unroute(fut, [lane for lane in lanes if lane is not fut.lane])
+        self._pump(fut.lane)
+
+    def _unroute(self, fut: CommFuture, lanes: Iterable[Lane]) -> None:
+        """Take ``fut`` out of ``lanes``' queues, and issue what it held back there."""
+        for lane in lanes:
+            try:
+                lane.pending.remove(fut)
+            except ValueError:
+                continue
+            self._pump(lane)
 
     def _run_work(self) -> None:
         """Settle the queued completions, and everything they release, iteratively."""
@@ -357,19 +484,19 @@ class Engine:
     def _settle(self, fut: CommFuture, error: BaseException | None) -> None:
         """Finish ``fut``: run its finishing step, resolve it, release what depends on it."""
         state = fut._state
-        if error is None and state == ISSUED and fut._finish is None:
+        if error is None and state == ISSUED and fut.finish is None:
             # The common case, kept short: every line here runs once per operation.
             fut.t_done = now = self._clock()
             if fut is self._unindexed:
                 self._unindexed = None
-            elif fut._reads or fut._writes:
-                self._hazards.remove(fut, fut._reads, fut._writes, True)
+            elif fut.reads or fut.writes:
+                self._hazards.remove(fut, fut.reads, fut.writes, True)
             self._unfinished -= 1
             self._n_completed += 1
             fut._state = DONE
             fut.lane.history.append((fut.kind, fut.seq, DONE, fut.nbytes, fut.t_submit,
                                      fut.t_issue, now, ""))
-            fut._hold = fut._request = None  # release buffers and scratch space now
+            fut.hold = fut._request = None  # release buffers and scratch space now
             callbacks = fut._callbacks
             fut._callbacks = None
             if callbacks:
@@ -379,19 +506,22 @@ class Engine:
             return
         if state >= DONE:
             return
-        if error is None and fut._finish is not None:
+        if error is None and fut.finish is not None:
             try:
-                fut._finish(fut)
+                fut.finish(fut)
             except MCRDLError as exc:  # the runtime's own verdict (e.g. DesyncError): as is
                 error = exc
             except Exception as exc:
                 error = BackendError(f"{fut.kind}#{fut.seq}: finishing step failed: {exc}")
                 error.__cause__ = exc
         fut.t_done = now = self._clock()
+        zombie = error is not None and fut in self._zombies
         if fut is self._unindexed:
             self._unindexed = None
-        elif fut._reads or fut._writes:
-            self._hazards.remove(fut, fut._reads, fut._writes, error is None)
+            if zombie and (fut.reads or fut.writes):
+                self._hazards.add(fut, fut.reads, fut.writes)
+        elif (fut.reads or fut.writes) and not zombie:
+            self._hazards.remove(fut, fut.reads, fut.writes, error is None)
         self._unfinished -= 1
         lane = fut.lane
         if error is None:
@@ -407,18 +537,36 @@ class Engine:
                 fut._state = FAILED
                 self._n_failed += 1
             fut._error = error
+            if zombie:  # its backend may still write the result: keep it with the rest
+                fut.hold = (fut.hold, fut._result)
             fut._result = None
         lane.history.append((fut.kind, fut.seq, fut._state, fut.nbytes, fut.t_submit,
                              fut.t_issue, now, ""))
-        fut._start = fut._args = fut._hold = fut._request = None
+        fut.start = fut.args = None
+        if not zombie:
+            fut.hold = fut._request = None
         callbacks = fut._callbacks
         fut._callbacks = None
         if callbacks:
             self._due.extend((cb, fut) for cb in callbacks)
-        if state == PENDING and lane.pending and lane.pending[0] is fut:
-            self._pump(lane)
+        if error is not None:
+            if fut._dependants:  # queued first: their own error says more than a break
+                self._release(fut, error)
+            # Break before the lane moves on: issuing the operation behind this one first
+            # would let the peers match it in this one's place (rule 7 of DESIGN.md).
+            if (lane.size > 1 and lane.comm.broken is None
+                    and (state == PENDING or isinstance(error, _NOT_AS_ISSUED))
+                    and not isinstance(error, _IN_STEP)):
+                self._break(lane.comm, f"on rank {lane.rank}, {error}")
+        if state == PENDING:
+            route = fut._route
+            if route is not None:
+                fut._route = None
+                self._unroute(fut, route[0])
+            elif lane.pending and lane.pending[0] is fut:
+                self._pump(lane)
         if fut._dependants:
-            self._release(fut, error)
+            self._release(fut, None)
 
     def _release(self, fut: CommFuture, error: BaseException | None) -> None:
         """Tell ``fut``'s dependants it finished: issue the ready ones, or fail them all."""
@@ -428,6 +576,9 @@ class Engine:
             for dep in dependants:  # type: ignore[union-attr]
                 dep._deps_left -= 1
                 if dep._deps_left == 0 and dep._state == PENDING:
+                    if dep._route is not None:
+                        self._route(dep)
+                        continue
                     dlane = dep.lane
                     if dlane.pending and dlane.pending[0] is dep:
                         self._pump(dlane)
@@ -444,10 +595,83 @@ class Engine:
                     )
                 self._work.append((dep, failure))
 
+    # -- breaking a communicator (lock held) ---------------------------------------------
+
+    def _break(self, comm: CommState, cause: str, told: bool = False) -> None:
+        """Break ``comm``: fail everything unfinished on it; tell the peers unless ``told``."""
+        if comm.broken is not None:
+            return
+        comm.broken = cause
+        lanes = set(comm.lanes)
+        for lane in comm.lanes:
+            for fut in lane.pending:
+                if fut._state == PENDING:
+                    self._work.append((fut, self._broken_error(fut)))
+        for track in self._track_list:
+            for fut, _ in track.items():
+                if fut.lane in lanes:
+                    self._give_up(fut, self._broken_error(fut))
+        if not told:
+            self._to_tell.append((comm, cause))
+
+    @staticmethod
+    def _broken_error(fut: CommFuture) -> CommBrokenError:
+        comm = fut.lane.comm
+        return CommBrokenError(
+            f"{fut.kind}#{fut.seq} on lane {fut.lane.backend_name}:{fut.lane.comm_name}: "
+            f"communicator {comm.name} is broken ({comm.broken}); nothing more runs on it"
+        )
+
+    def _give_up(self, fut: CommFuture, error: BaseException) -> None:
+        """Fail the issued ``fut`` the engine will not wait for any longer; a zombie if its
+        backend cannot cancel it."""
+        track = fut.lane.track
+        request = track.remove(fut)
+        if not track.backend.cancel(request):
+            self._zombies[fut] = None
+        self._work.append((fut, error))
+
+    def _zombie_done(self, fut: CommFuture) -> bool:
+        """Test a zombie's request; bury it (forget its ranges and memory) if it finished."""
+        try:
+            done = bool(fut.lane.backend.test([fut._request]))
+        except Exception:  # noqa: BLE001 - a failure is an end too
+            done = True
+        if done:
+            del self._zombies[fut]
+            if fut.reads or fut.writes:
+                self._hazards.remove(fut, fut.reads, fut.writes, True)
+            fut.hold = fut._request = None
+        return done
+
+    # -- after the lock ------------------------------------------------------------------
+
+    def _after_lock(self) -> None:
+        """What every entry point does once it released the lock: run the callbacks that
+        became due, tell peers of breaks, wake a background thread sleeping deeply."""
+        if self._due:
+            self._flush_due()
+        if self._to_tell:
+            self._tell()
+        thread = self._thread
+        if thread is not None and thread.deep:
+            thread.wake()
+
     def _flush_due(self) -> None:
-        due, self._due = self._due, []
+        with self._lock:  # appended under it: swapping under it loses none
+            due, self._due = self._due, []
         for cb, fut in due:
-            cb(fut)
+            try:
+                cb(fut)
+            except Exception:  # noqa: BLE001 - a callback's failure is reported, not ours
+                report_callback_error(cb, fut)
+
+    def _tell(self) -> None:
+        with self._lock:
+            to_tell, self._to_tell = self._to_tell, []
+        if self.on_break is not None:
+            for comm, cause in to_tell:
+                self.on_break(comm, cause)
 
     # -- progress ------------------------------------------------------------------------
 
@@ -470,16 +694,12 @@ class Engine:
                 if not finished:
                     continue
                 progressed = True
-                if len(finished) == 1 and not self._work:
-                    self._settle(*finished[0])
-                else:
-                    self._work.extend(finished)
-                if self._work:
-                    self._run_work()
+                self._work.extend(finished)
+                self._run_work()
         finally:
             lock.release()
-        if self._due:
-            self._flush_due()
+        if self._due or self._to_tell:
+            self._after_lock()
         return progressed
 
     def spin_lone(self, fut: CommFuture) -> bool:
@@ -492,9 +712,8 @@ class Engine:
         oversubscribed node, not in a simulated world (its ranks progress only in the idle
         hook). Returns True once ``fut`` is done; False at once where it may not spin, after
         ``lone_spins`` tests, or as soon as another operation arrives or another thread holds
-        the lock (the caller then polls the general way). A 4-byte
-        MPI allreduce's ``.wait()`` at 2 ranks went from +5.0 to +3.4 µs over a raw blocking
-        call this way (20,000 alternated pairs).
+        the lock (the caller then polls the general way). A test costs ~0.2 µs where a poll
+        of every track costs ~0.7, which is most of a small MPI operation's wait.
         """
         lane = fut.lane
         if (fut._state != ISSUED or self._unfinished != 1 or not lane.spins_alone
@@ -525,38 +744,15 @@ class Engine:
                 except Exception as exc:  # noqa: BLE001 - a backend's failure fails the future
                     error = BackendError(f"{fut.kind}#{fut.seq} on {fut.lane.backend_name}: {exc}")
                     error.__cause__ = exc
-                # Track.empty(), written out (the settling of every lone wait runs this):
-                # fut's request was the track's only live entry.
-                track.futs = []
-                track.reqs = []
-                track.first = track.live = track.rot = 0
-                if error is None and fut._finish is None and fut is self._unindexed:
-                    # _settle's common case, written out for the commonest wait of all: a
-                    # call level here is ~0.1 µs of every small lone .wait() (20,000
-                    # alternated pairs at 2 ranks: +4.5 -> +4.4 µs over raw MPI allreduce).
-                    self._unindexed = None
-                    fut.t_done = now = self.last_active = self._clock()
-                    self._unfinished -= 1
-                    self._n_completed += 1
-                    fut._state = DONE
-                    lane.history.append((fut.kind, fut.seq, DONE, fut.nbytes, fut.t_submit,
-                                         fut.t_issue, now, ""))
-                    fut._hold = fut._request = None
-                    callbacks = fut._callbacks
-                    fut._callbacks = None
-                    if callbacks:
-                        self._due.extend((cb, fut) for cb in callbacks)
-                    if fut._dependants:
-                        self._release(fut, None)
-                else:
-                    self._settle(fut, error)
-                    self.last_active = fut.t_done
+                track.empty()  # fut's request was its only live entry
+                self._settle(fut, error)
+                self.last_active = fut.t_done
                 if self._work:
                     self._run_work()
             finally:
                 lock.release()
-            if self._due:
-                self._flush_due()
+            if self._due or self._to_tell:
+                self._after_lock()
             return True
         return False
 
@@ -610,44 +806,72 @@ class Engine:
             if thread.parked:
                 thread.wake()
 
+    # -- signals, deadlines, breaks told by peers ----------------------------------------
+
     def request_abort(self, reason: str) -> None:
-        """Fail every unfinished operation with CommAbortedError at the next idle check.
+        """Fail every unfinished operation with CommAbortedError at the next check.
 
         Safe from a signal handler: it only sets a flag (the handler may interrupt a thread
         that holds the engine's lock).
         """
         self._abort_reason = reason
 
-    def check_deadlines(self, now: float) -> None:
-        """Fail issued operations older than ``timeout`` with CommTimeoutError (rate-limited)."""
+    def post_break(self, comm_name: str, cause: str) -> None:
+        """A peer broke ``comm_name`` (for ``cause``): break it here at the next check.
+
+        Safe from any thread, and from a signal handler (it only appends to a deque).
+        """
+        self._told.append((comm_name, cause))
+
+    def check_signals(self) -> None:
+        """Apply what arrived from outside since the last check: an abort, breaks that peers
+        told of. Cheap when nothing did (two reads)."""
         if self._abort_reason is not None:
             reason, self._abort_reason = self._abort_reason, None
             self.fail_all(lambda f: CommAbortedError(f"{f.kind}#{f.seq} on lane "
                                                      f"{f.lane.backend_name}:{f.lane.comm_name}"
                                                      f" aborted: {reason}"))
-        timeout = self.timeout
-        if timeout is None or now < self._next_check:
+        if self._told:
+            with self._lock:
+                while self._told:
+                    name, cause = self._told.popleft()
+                    comm = self._comms.get(name)
+                    if comm is not None:
+                        self._break(comm, cause, told=True)
+                    else:
+                        self._told_early.setdefault(name, cause)
+                self._run_work()
+            self._after_lock()
+
+    def check_deadlines(self, now: float) -> None:
+        """Apply outside signals (``check_signals``); then, at most every ``timeout / 8``
+        (0.25 s at most), fail issued operations older than ``timeout`` with
+        CommTimeoutError and bury zombies whose backend has finished with them."""
+        self.check_signals()
+        if now < self._next_check:
             return
-        self._next_check = now + min(timeout / 8, 0.25)
-        limit = now - timeout
+        timeout = self.timeout
+        self._next_check = now + (0.25 if timeout is None else min(timeout / 8, 0.25))
         with self._lock:
+            for zombie in list(self._zombies):
+                self._zombie_done(zombie)
+            if timeout is None:
+                return
+            limit = now - timeout
             expired = [f for t in self._track_list for f, _ in t.items() if f.t_issue < limit]
             if not expired:
                 return
             record = flight_record(self)
             for fut in expired:
-                track = fut.lane.track
-                request = track.remove(fut)
-                why = track.backend.describe_wait(request) or "the peers it needs have not all arrived"
-                if not track.backend.cancel(request):
-                    _abandon(fut)
-                self._work.append((fut, CommTimeoutError(
+                why = (fut.lane.backend.describe_wait(fut._request)
+                       or "the peers it needs have not all arrived")
+                self._give_up(fut, CommTimeoutError(
                     f"{fut.kind}#{fut.seq} on lane {fut.lane.backend_name}:{fut.lane.comm_name} "
                     f"(rank {fut.lane.rank} of {fut.lane.size}) did not finish within "
                     f"{timeout:g} s of being issued; {why}"
-                )))
+                ))
             self._run_work()
-        self._flush_due()
+        self._after_lock()
         if self._on_timeout is not None:
             self._on_timeout(expired, record)
 
@@ -667,9 +891,11 @@ class Engine:
                         f"{backend.name} cannot cancel issued operations"
                     )
                 fut.lane.track.remove(fut)
-            self._work.append((fut, FutureCancelledError(f"{fut.kind}#{fut.seq} was cancelled")))
+            self._work.append((fut, FutureCancelledError(
+                f"{fut.kind}#{fut.seq} on lane {fut.lane.backend_name}:{fut.lane.comm_name} "
+                f"was cancelled")))
             self._run_work()
-        self._flush_due()
+        self._after_lock()
         return True
 
     # -- shutdown ------------------------------------------------------------------------
@@ -677,27 +903,36 @@ class Engine:
     def fail_all(self, make_error: Callable[[CommFuture], BaseException]) -> int:
         """Fail every unfinished future with ``make_error(fut)``; returns how many."""
         with self._lock:
-            victims: list[CommFuture] = []
-            for track in self._track_list:
-                for fut in track.clear():  # issued: the backend may still use their memory
-                    _abandon(fut)
-                    victims.append(fut)
+            issued = [f for track in self._track_list for f, _ in track.items()]
+            for fut in issued:
+                self._give_up(fut, make_error(fut))
+            pending: dict[CommFuture, None] = {}
             for lane in self._lanes.values():
-                victims.extend(f for f in lane.pending if f._state == PENDING)
-                lane.pending.clear()
-            for fut in victims:
+                pending.update((f, None) for f in lane.pending if f._state == PENDING)
+            for fut in pending:
                 self._work.append((fut, make_error(fut)))
             self._run_work()
-        self._flush_due()
-        return len(victims)
+        self._after_lock()
+        return len(issued) + len(pending)
+
+    def zombies(self) -> list[CommFuture]:
+        """The failed operations whose backend may still use their memory."""
+        with self._lock:
+            return list(self._zombies)
 
     def close(self, why: str) -> None:
-        """Refuse further submissions and stop the background thread; idempotent."""
+        """Refuse further submissions and stop the background thread; idempotent.
+
+        Zombies still unfinished keep their requests and memory for the rest of the process.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._closed_why = why
+            for fut in self._zombies:
+                _ABANDONED.append((fut._request, fut.hold))
+            self._zombies.clear()
         if self._thread is not None:
             self._thread.stop()
 
@@ -723,11 +958,15 @@ class Engine:
                 in_flight=in_flight,
                 polls=self._n_polls,
                 lanes=len(self._lanes),
+                zombies=len(self._zombies),
             )
 
     def unfinished(self) -> list[CommFuture]:
         """Every unfinished future: issued ones by backend, then pending ones by lane."""
         with self._lock:
             out = [f for t in self._track_list for f, _ in t.items()]
-            out.extend(f for lane in self._lanes.values() for f in lane.pending if f._state == PENDING)
+            seen: dict[CommFuture, None] = {}
+            for lane in self._lanes.values():
+                seen.update((f, None) for f in lane.pending if f._state == PENDING)
+            out.extend(seen)
             return out

@@ -3,9 +3,11 @@
 - `SimWorld`: N simulated ranks in one process, each with a real runtime (engine, lanes,
   DAG) over simulated backends with MPI-like, NCCL-like or blocking matching semantics,
   scheduled deterministically from a seed.
-- `programs()`: a hypothesis strategy of well-formed multi-rank programs; `check_program`
-  runs one in a simulated world and compares every rank's buffers with the sequential
-  `reference`; `run_program` runs one on real communicators.
+- `programs()`: a hypothesis strategy of well-formed multi-rank programs, optionally with
+  `Fault`s (one rank's operation cancelled, failing, or depending on one that fails);
+  `check_program` runs one in a simulated world and compares every rank's buffers with the
+  sequential `reference`; `run_program` runs one on real communicators, and `check_slots`
+  judges a rank's result there.
 - `record` / `replay`: capture what a rank submits in a real step, and replay it in the
   simulated world under many timings and backend assignments.
 
@@ -19,32 +21,93 @@ Example::
         check_program(program)
 """
 
-from ._programs import KINDS, Program, Region, Step, programs, reference, run_program
+from __future__ import annotations
+
+from typing import Any
+
+from ._generate import programs
+from ._programs import DONE, FAULTS, KINDS, Fault, Program, Region, Step, run_program
 from ._record import Recording, record, replay
+from ._reference import reference, reference_with_faults
 from ._world import SimAborted, SimDeadlock, SimMismatch, SimWorld
 
-__all__ = ["KINDS", "Program", "Recording", "Region", "SimAborted", "SimDeadlock", "SimMismatch",
-           "SimWorld", "Step", "check_program", "programs", "record", "reference", "replay",
+__all__ = ["FAULTS", "FAULT_ERRORS", "KINDS", "Fault", "Program", "Recording", "Region",
+           "SimAborted", "SimDeadlock", "SimMismatch", "SimWorld", "Step", "check_program",
+           "check_outcomes", "check_slots", "programs", "record", "reference", "reference_with_faults", "replay",
            "run_program"]
 
+#: How a step may end under injected faults: the fault itself (cancelled, its start or its
+#: backend failing, a dependency failing) or its consequence (the communicator broken).
+#: Never a timeout: every member must learn of a break from the breaking rank.
+FAULT_ERRORS = frozenset({"FutureCancelledError", "DependencyFailedError", "BackendError",
+                          "StartError", "CommBrokenError"})
+#: The per-operation timeout of simulated runs with faults (simulated seconds): a hang
+#: becomes a CommTimeoutError, so that what completed can still be judged.
+FAULT_TIMEOUT = 5.0
 
-def check_program(program: Program, *, seed: int = 0, backends: dict[str, str] | None = None,
-                  **world_args: object) -> SimWorld:
-    """Run ``program`` in a simulated world and compare every rank's slots with the reference.
+
+def check_slots(program: Program, rank: int, got: list[Any],
+                outcomes: list[dict[int, str]] | None = None) -> None:
+    """Judge rank ``rank``'s final slots ``got`` against the sequential reference.
+
+    Without faults every element must match. With them, ``outcomes`` (every rank's, from
+    ``run_program``) says which steps failed where; then every element that a correct runtime
+    must have right (see ``reference_with_faults``) must match.
 
     Raises:
-        SimDeadlock, SimMismatch: the run hung or desynchronized.
-        AssertionError: a rank's result differs from the sequential reference.
+        AssertionError: a wrong element (naming rank, slot and index).
     """
     import numpy as np
 
+    if outcomes is None:
+        want, defined = reference(program)[rank], None
+    else:
+        states, masks = reference_with_faults(program, outcomes)
+        want, defined = states[rank], masks[rank]
+    for slot, (a, b) in enumerate(zip(got, want)):
+        mask = np.ones(len(b), dtype=bool) if defined is None else defined[slot]
+        wrong = np.flatnonzero(mask & (a != b))
+        if wrong.size:
+            i = int(wrong[0])
+            raise AssertionError(
+                f"rank {rank} slot {slot}: element {i} is {a[i]!r}, the reference says "
+                f"{b[i]!r} ({wrong.size} wrong)\n  got      {a.tolist()}\n  expected "
+                f"{b.tolist()}\n  checked  {mask.astype(int).tolist()}")
+
+
+def check_outcomes(program: Program, rank: int, outcomes: list[dict[int, str]]) -> None:
+    """Under faults: every step rank ``rank`` took part in ended well, or with one of
+    `FAULT_ERRORS` (never a timeout: its peers must have been told).
+
+    Raises:
+        AssertionError: naming the step and how it ended.
+    """
+    for step, how in sorted(outcomes[rank].items()):
+        if how != DONE and how not in FAULT_ERRORS:
+            raise AssertionError(f"rank {rank} step {step} ({program.steps[step].kind}) "
+                                 f"ended with {how}: {sorted(FAULT_ERRORS)} expected")
+
+
+def check_program(program: Program, *, seed: int = 0, backends: dict[str, str] | None = None,
+                  **world_args: Any) -> SimWorld:
+    """Run ``program`` in a simulated world and judge every rank's slots (`check_slots`).
+
+    Raises:
+        SimDeadlock, SimMismatch: the run hung or desynchronized.
+        AssertionError: a rank's result differs from the sequential reference, or a step
+            ended with an error its faults do not explain.
+    """
     sems = backends or {name: "mpi" for name in program.backends}
-    world = SimWorld(program.size, sems, seed=seed, **world_args)  # type: ignore[arg-type]
-    got = world.run(lambda comm: run_program(program, comm, pause=world.sleep))
-    want = reference(program)
-    for rank, (g, w) in enumerate(zip(got, want)):
-        for slot, (a, b) in enumerate(zip(g, w)):
-            if not np.array_equal(a, b):
-                raise AssertionError(
-                    f"rank {rank} slot {slot}: got {a.tolist()}\n  expected {b.tolist()}")
+    if program.faults:
+        world_args.setdefault("timeout", FAULT_TIMEOUT)
+    world = SimWorld(program.size, sems, seed=seed, **world_args)
+    outcomes: list[dict[int, str]] | None = (
+        [{} for _ in range(program.size)] if program.faults else None)
+    got = world.run(lambda comm: run_program(
+        program, comm, pause=world.sleep,
+        outcomes=None if outcomes is None else outcomes[comm.rank], inject=world.inject))
+    for rank in range(program.size):  # wrong data first: it says more than a timeout
+        check_slots(program, rank, got[rank], outcomes)
+    for rank in range(program.size if outcomes is not None else 0):
+        check_outcomes(program, rank, outcomes)  # type: ignore[arg-type]
     return world

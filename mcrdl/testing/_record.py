@@ -7,7 +7,8 @@
     rec.save("step.json")
     mcrdl.testing.replay(rec, seeds=range(50))   # simulated: many timings and backend choices
 
-The recording keeps, per operation: the kind, the communicator (name, size), the backend, the
+The recording keeps, per operation (read from its descriptor as it is submitted): the kind, the
+communicator (name, size), the backend ("auto" where it is decided by the agreed size), the
 dtype and byte ranges of its buffers (so buffer reuse, and with it the hazards across
 backends, is reproduced), the root, the ReduceOp and the ``after=`` edges. A replay assumes
 SPMD, as data- and expert-parallel training steps are: every rank submits the same sequence.
@@ -93,48 +94,54 @@ class Recording:
 
 @contextmanager
 def record(comm: Any) -> Iterator[Recording]:
-    """Record every operation submitted through ``comm``'s runtime inside the block."""
+    """Record every operation submitted through ``comm``'s runtime inside the block.
+
+    Each operation is read from its descriptor as it is submitted (``Engine.observe``): an
+    alltoallv whose counts are exchanged appears as the exchange and the data exchange,
+    with the edge between them.
+    """
     engine = comm.runtime.engine
     rec = Recording(comm.runtime.world.size, comm.runtime.world.rank)
     index: dict[int, int] = {}  # id(future) -> op index
-    original = engine.submit
+    kept: list[Any] = []  # the recorded futures, so that their ids stay theirs
 
-    def submit(kind: str, lane: Any, seq: int, start: Any, args: tuple[Any, ...], *rest: Any,
-               **kw: Any) -> Any:
-        fut = original(kind, lane, seq, start, args, *rest, **kw)
-        if kind != "fingerprint":
-            after = rest[4] if len(rest) > 4 else kw.get("after", ())
-            op = _decode(kind, lane, args, [index[id(f)] for f in after if id(f) in index])
-            index[id(fut)] = len(rec.ops)
-            rec.ops.append(op)
-        return fut
+    def observe(fut: Any, after: tuple[Any, ...]) -> None:
+        if fut.kind == "fingerprint":
+            return
+        index[id(fut)] = len(rec.ops)
+        kept.append(fut)
+        rec.ops.append(_decode(fut, [index[id(f)] for f in after if id(f) in index]))
 
-    engine.submit = submit  # an instance attribute: nothing changes for other engines
+    stop = engine.observe(observe)
     try:
         yield rec
     finally:
-        del engine.submit
+        stop()
 
 
-def _decode(kind: str, lane: Any, args: tuple[Any, ...], after: list[int]) -> Recorded:
-    rec = Recorded(kind, lane.comm_name, lane.size, lane.backend_name, after=tuple(after))
+def _decode(fut: Any, after: list[int]) -> Recorded:
+    lane = fut.lane
+    routed = fut.args[0] is None  # routed by its agreed size: its backend is decided later
+    rec = Recorded(fut.kind, lane.comm.name, lane.size, "auto" if routed else lane.backend_name,
+                   after=tuple(after))
+    args = fut.args
     bufs = [a for a in args if isinstance(a, Buffer)]
     if bufs:
         b = bufs[0]
         rec.dtype = b.dtype.value
-        rec.itemsize = b.obj.itemsize if hasattr(b.obj, "itemsize") else b.obj.element_size()
-        rec.buf = (b.start, b.stop)
+        rec.itemsize = b.obj.itemsize
+        rec.buf = (b.addr, b.stop)
         rec.row = b.row_elems() if b.shape else 1
         if len(bufs) > 1:
             o = bufs[1]
-            rec.out, rec.out_fresh = (o.start, o.stop), o.fresh
+            rec.out, rec.out_fresh = (o.addr, o.stop), o.fresh
     ints = [a for a in args[2:] if type(a) is int]
-    if ints and kind not in ("send", "recv"):
+    if ints and fut.kind not in ("send", "recv"):
         rec.root = ints[0]
     ops = [a for a in args if type(a) is ReduceOp]
     if ops:
         rec.op = ops[0].value
-    if kind == "alltoallv" and len(args) >= 3:
+    if fut.kind == "alltoallv":
         rec.counts = tuple(int(c) for c in args[2])
     return rec
 
@@ -215,7 +222,7 @@ def _to_program(rec: Recording, size: int, reassign: Mapping[int, str]) -> Progr
         counts: tuple[tuple[int, ...], ...] = ()
         if op.kind == "alltoallv":
             counts = tuple(tuple(c * op.row for c in op.counts) for _ in range(n))
-        backend = reassign.get(i, op.backend)
+        backend = reassign.get(i, None if op.backend == "auto" else op.backend)
         steps.append(Step(op.kind, comm if comm[0] == 0 else (comm[0], 0), backend,
                           region(buf), region(out), root=op.root,
                           op=ReduceOp(op.op) if op.op else None, counts=counts,
@@ -262,7 +269,7 @@ def replay(recording: Recording, *, size: int | None = None, seeds: Iterable[int
     """
     from . import check_program
 
-    names = sorted({op.backend for op in recording.ops})
+    names = sorted({op.backend for op in recording.ops} - {"auto"}) or ["mpi"]
     sems = dict(backends or {name: "mpi" for name in names})
     runs = 0
     for seed in seeds:

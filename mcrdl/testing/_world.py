@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._buffers import Buffer
 from .._config import Config
 from .._runtime import Runtime
 from ..backends._threaded import Threads
@@ -98,6 +99,25 @@ class _Condition:
         self._world.note_progress()
 
 
+class _Notices:
+    """The simulated notice board: a rank's break reaches its peers' engines at once (they
+    apply it at their next check, as real ranks do when the store delivers it)."""
+
+    def __init__(self, world: SimWorld, rank: int, engine: Engine) -> None:
+        self._world = world
+        self._rank = rank
+        engine.on_break = self.tell
+
+    def tell(self, comm: Any, cause: str) -> None:
+        for member in comm.members:
+            if member != self._rank:
+                self._world.runtimes[member].engine.post_break(comm.name, cause)
+        self._world.note_progress()
+
+    def close(self) -> None:
+        pass
+
+
 class _SimThreads(Threads):
     def __init__(self, world: SimWorld) -> None:
         self._world = world
@@ -123,7 +143,8 @@ class SimWorld:
         stream: ``"lane"`` (a stream per group, as mcrdl does) or ``"backend"`` (one per
             backend and rank) for ``"nccl"`` semantics.
         engine_factory, selector_factory: replace the engine or selector of every rank
-            (the test suite uses them to show that broken policies are caught).
+            (the test suite uses them to show that broken policies are caught); the engine
+            factory takes `Engine`'s keyword arguments.
         wrap_blocking: False calls blocking backends inline (a broken policy, for the tests).
         debug: check every collective's fingerprint (as ``MCRDL_DEBUG=1`` does).
         timeout: the per-operation timeout in simulated seconds (a scheduler step is
@@ -138,7 +159,7 @@ class SimWorld:
         seed: int = 0,
         max_delay: int = 3,
         stream: str = "lane",
-        engine_factory: Callable[[], Engine] | None = None,
+        engine_factory: Callable[..., Engine] | None = None,
         selector_factory: Callable[[int, tuple[str, ...]], Selector] | None = None,
         wrap_blocking: bool = True,
         max_steps: int = 200_000,
@@ -170,6 +191,7 @@ class SimWorld:
         self._p2p_count: dict[tuple[str, str, int, int, int, str], int] = {}
         self._streams: dict[tuple[Any, ...], list[SimOp]] = {}
         self._pending: list[SimOp] = []
+        self._faults: dict[int, tuple[str, Any]] = {}  # id(buffer object) -> (kind, object)
         threads = _SimThreads(self)
         self.runtimes: list[Runtime] = []
         for rank in range(size):
@@ -178,14 +200,14 @@ class SimWorld:
             if not wrap_blocking:
                 for b in sims.values():
                     b.capabilities = _unblocked(b.capabilities)
-            engine = engine_factory() if engine_factory else Engine(
+            engine = (engine_factory or Engine)(
                 background=False, policy=PollPolicy(spin_polls=0), timeout=timeout,
                 clock=self.clock)
             engine.idle_hook = self.yield_
             selector = selector_factory(rank, tuple(sims)) if selector_factory else None
             config = Config(progress_thread=False, timeout=timeout, debug=debug)
-            self.runtimes.append(Runtime(config, None, sims,
-                                         engine=engine, threads=threads, selector=selector))
+            self.runtimes.append(Runtime(config, None, sims, engine=engine, threads=threads,
+                                         selector=selector, notices=_Notices(self, rank, engine)))
 
     def clock(self) -> float:
         """Simulated seconds: each scheduler step is STEP_SECONDS."""
@@ -295,15 +317,15 @@ class SimWorld:
                 # Every awake thread had its turn and nothing moved: let time pass to the
                 # next due operation or waking thread, or report the deadlock.
                 due = [op.ready_at for op in self._pending if op.ready_at is not None]
+                if any(d <= self.step for d in due) and retried != self.step:
+                    retried = self.step  # due now, but every poll came before: once more
+                    quiet.clear()
+                    continue
                 due += [x.wake_at for x in alive if x.wake_at > self.step]
                 due += self._deadlines()
                 later = [d for d in due if d > self.step]
                 if later:
                     self.step = min(later)
-                    quiet.clear()
-                    continue
-                if due and retried != self.step:  # due now, but every poll came before
-                    retried = self.step
                     quiet.clear()
                     continue
                 raise SimDeadlock(self.report())
@@ -348,6 +370,24 @@ class SimWorld:
                        else "waits for earlier operations on a member's stream")
                 lines.append(f"  {op.backend}:{op.gid} {op.kind} #{op.index}: {why}")
         return "\n".join(lines)
+
+    # -- faults ---------------------------------------------------------------------------
+
+    def inject(self, kind: str, objects: list[Any]) -> None:
+        """Make the next operation started on any of ``objects`` (a rank's buffers) fail on
+        that rank: ``"start"`` (its start raises) or ``"error"`` (it runs, then its backend
+        reports a failure there)."""
+        for obj in objects:
+            self._faults[id(obj)] = (kind, obj)  # the object kept: its id stays its own
+
+    def fault(self, args: tuple[Any, ...]) -> str | None:
+        """The fault injected on a buffer among ``args`` (used once), if any."""
+        for arg in args:
+            if isinstance(arg, Buffer):
+                entry = self._faults.pop(id(arg.obj), None)
+                if entry is not None:
+                    return entry[0]
+        return None
 
     # -- matching (called by SimBackend, from the thread holding the baton) ---------------
 
@@ -424,8 +464,8 @@ class SimWorld:
         """Execute ``op`` if it is due; True once it has executed."""
         if op.executed:
             return True
-        if len(op.args) < len(op.members):
-            return False
+        if len(op.args) < len(op.members) or self.mismatch is not None:
+            return False  # (a mismatched world stops moving data: run() reports it)
         if op.ready_at is None:
             if not self._stream_clear(op):
                 return False

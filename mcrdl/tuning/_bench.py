@@ -295,7 +295,7 @@ def _runs(comm: Any, name: str, op: str, dtype: str, redop: ReduceOp) -> bool:
 
     try:
         comm._selector.choose(comm._slots, OpKind(op), DType(dtype) if op != "barrier" else None,
-                              redop if op in _REDUCING else None, 0,
+                              redop if op in _REDUCING else None,
                               None if name == "auto" else name, comm.size)
     except MCRDLError:
         return False

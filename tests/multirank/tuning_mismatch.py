@@ -1,11 +1,15 @@
-"""Every rank loads its own tuning table; rank 1's differs. init() must fail on every rank."""
+"""Every rank loads its own tuning table; rank 1's differs, or rank 1 has none
+(MCRDL_TUNING_RANK1=none). init() must fail on every rank."""
 
 import os
 import sys
 
 import mcrdl
 
-path = os.environ["MCRDL_TUNING_BASE"] + (".other" if int(os.environ["PMI_RANK"]) == 1 else "")
+rank1 = os.environ.get("MCRDL_TUNING_RANK1", "other")
+path = os.environ["MCRDL_TUNING_BASE"]
+if int(os.environ["PMI_RANK"]) == 1:
+    path = None if rank1 == "none" else path + ".other"
 try:
     mcrdl.init(tuning=path)
 except mcrdl.MCRDLError as exc:

@@ -7,15 +7,12 @@ DESIGN.md rejects.
 from __future__ import annotations
 
 from mcrdl._select import Selector
-from mcrdl.engine import Engine, PollPolicy
+from mcrdl.engine import Engine
 from mcrdl.engine._states import DONE, PENDING
 
 
 class ReadyFirstEngine(Engine):
     """Issues whichever operation of a lane is ready first, instead of in submission order."""
-
-    def __init__(self) -> None:
-        super().__init__(background=False, policy=PollPolicy(spin_polls=0), timeout=None)
 
     def _pump(self, lane):  # type: ignore[no-untyped-def]
         for fut in list(lane.pending):
@@ -47,3 +44,11 @@ class PerRankSelector(Selector):
     def __init__(self, rank: int, backends: tuple[str, ...]) -> None:
         order = tuple(backends) if rank % 2 == 0 else tuple(reversed(backends))
         super().__init__(backends, preference=order)
+
+
+class LaneGoesOnEngine(Engine):
+    """Never breaks a communicator: when one rank's operation ends without being issued, its
+    lane issues the next one as if nothing happened (what mcrdl did before DESIGN.md's rule 7)."""
+
+    def _break(self, comm, cause, told=False):  # type: ignore[no-untyped-def]
+        pass

@@ -72,7 +72,9 @@ def test_timeout_names_the_operation_and_the_peers_that_did_not_arrive():
     def program(comm):
         if comm.rank == 2:
             return None  # never submits its part
-        with pytest.raises(mcrdl.CommTimeoutError) as info:
+        # The first rank to time out breaks the communicator: the other learns of it from
+        # its notice (or times out itself first); either way the message names the cause.
+        with pytest.raises((mcrdl.CommTimeoutError, mcrdl.CommBrokenError)) as info:
             comm.allreduce(np.ones(2), backend="mpi").wait()
         return str(info.value)
 
@@ -82,20 +84,50 @@ def test_timeout_names_the_operation_and_the_peers_that_did_not_arrive():
         assert "did not finish within 0.5 s of being issued; ranks [2] have not issued it" in m
 
 
-def test_cancel_before_issue_fails_dependants_and_issued_cancel_is_refused():
+def test_cancelling_a_pending_collective_breaks_its_communicator_on_every_member():
+    """Rank 1 cancels a collective its peer issues: rank 0 must not match the next one in its
+    place. Every unfinished and later operation on the communicator fails, on both ranks,
+    naming the cancellation; the dependant fails with it; another communicator goes on."""
     world = SimWorld(2, SEMS, seed=0)
 
     def program(comm):
+        other = comm.split(0)
         x = np.ones(4)
         first = comm.allreduce(x, backend="gloo")
         second = comm.allreduce(x, backend="mpi")  # waits for first (same buffer)
         third = comm.broadcast(x, backend="mpi", after=[second])
-        assert second.cancel() is True
-        with pytest.raises(mcrdl.DependencyFailedError, match=r"which cancelled"):
-            third.wait()
+        if comm.rank == 1:
+            assert second.cancel() is True and second.cancelled()
+            with pytest.raises(mcrdl.DependencyFailedError, match=r"which cancelled"):
+                third.wait()
+        outcomes = []
+        for fut in (first, second, third, comm.barrier()):
+            try:
+                fut.wait()
+                outcomes.append("done")
+            except mcrdl.MCRDLError as exc:
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+        assert other.allreduce(np.ones(2)).wait().tolist() == [2.0, 2.0]
+        return outcomes
+
+    zero, one = world.run(program)
+    cause = "communicator world is broken (on rank 1, allreduce#3 on lane mpi:world was " \
+            "cancelled)"
+    # rank 0: first may finish before the news arrives; second and the barrier cannot.
+    assert zero[0] == "done" or cause in zero[0]
+    for outcome in zero[1:]:
+        assert outcome.startswith("CommBrokenError") and cause in outcome, outcome
+    assert one[1].startswith("FutureCancelledError") and one[2].startswith("Dependency")
+    assert one[3].startswith("CommBrokenError") and cause in one[3]
+
+
+def test_an_issued_collective_cannot_be_cancelled_where_its_backend_cannot():
+    world = SimWorld(2, SEMS, seed=0)
+
+    def program(comm):
+        fut = comm.allreduce(np.ones(4), backend="mpi")
         with pytest.raises(mcrdl.InvalidStateError, match=r"cannot cancel .* issued already"):
-            first.cancel()
-        first.wait()
-        return x.tolist()
+            fut.cancel()
+        return fut.wait().tolist()
 
     assert world.run(program) == [[2.0] * 4] * 2

@@ -51,3 +51,17 @@ def test_point_to_point_is_refused_with_a_reason(world):
     with pytest.raises(ValueError, match=r"operation 0 is a send: point-to-point operations "
                                          r"cannot be replayed from one rank's recording"):
         replay(rec, seeds=[0])
+
+
+def test_an_alltoallv_whose_counts_are_exchanged_is_recorded_whole(world):
+    """The count exchange is an operation of its own, recorded with the edge the data
+    exchange has to it, and the data exchange with its send counts: the step replays."""
+    tokens = torch.arange(6.0).reshape(3, 2)
+    with record(world) as rec:
+        out = world.alltoallv(tokens, [3]).wait()
+    assert out.tolist() == tokens.tolist()
+    assert [op.kind for op in rec.ops] == ["alltoall", "alltoallv"]
+    exchange, data = rec.ops
+    assert data.after == (0,) and data.counts == (3,) and data.row == 2
+    assert exchange.dtype == "int64"
+    assert replay(rec, seeds=range(5)) == 5

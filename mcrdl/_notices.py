@@ -1,0 +1,103 @@
+"""Notices: how a rank tells its peers that a communicator broke (DESIGN.md rule 7).
+
+A break is decided on one rank: one of its operations will not run as the peers expect (see
+`mcrdl.engine.CommState`). Its peers must stop too, within the runtime's timeout, naming that
+cause, or they would wait for an operation that never comes (and, had the lane gone on,
+match the wrong one). The bootstrap's store carries the notice: the breaking rank pushes it
+onto each member's queue in the store (``queue_push``), from a short-lived thread so that the
+caller never waits on the network; every rank has a thread blocked in ``queue_pop`` on its own
+queue, over a connection of its own (a ``clone`` of the store: the main connection also
+serves gloo's rendezvous), which hands each notice to the engine. Nothing polls: the listener
+sleeps in the store's server until a notice, or its own stop, arrives.
+
+Rejected: reading a key from the progress loop (a store round trip, ~50-100 µs, on the
+waiting thread every few milliseconds), and MPI messages (there is no MPI under torchrun, and
+a posted receive would be tested on every poll).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .engine import CommState, Engine
+
+__all__ = ["Notices"]
+
+_log = logging.getLogger("mcrdl")
+_STOP = "stop"
+#: How long the listener's connection waits in one ``queue_pop`` (it is woken to stop).
+_FOREVER = datetime.timedelta(days=3650)
+
+
+class Notices:
+    """This rank's side of the notice board: tells peers of its breaks, listens for theirs.
+
+    Invariants: the listener thread runs from construction until ``close``; ``engine.on_break``
+    is this object's ``tell`` meanwhile.
+    """
+
+    def __init__(self, store: Any, rank: int, engine: Engine) -> None:
+        self._store = store
+        self._rank = rank
+        self._engine = engine
+        self._key = f"mcrdl/notices/{rank}"
+        self._closed = False
+        reader = store.clone()
+        reader.set_timeout(_FOREVER)
+        self._thread = threading.Thread(target=self._listen, args=(reader,),
+                                        name="mcrdl-notices", daemon=True)
+        self._thread.start()
+        engine.on_break = self.tell
+
+    def tell(self, comm: CommState, cause: str) -> None:
+        """Tell ``comm``'s other members that it broke here, for ``cause`` (returns at once)."""
+        payload = json.dumps({"comm": comm.name, "from": self._rank, "cause": cause})
+        peers = [m for m in comm.members if m != self._rank]
+        if peers:
+            threading.Thread(target=self._push, args=(peers, payload),
+                             name="mcrdl-notice", daemon=True).start()
+
+    def _push(self, peers: list[int], payload: str) -> None:
+        for peer in peers:
+            try:
+                self._store.queue_push(f"mcrdl/notices/{peer}", payload)
+            except Exception as exc:  # noqa: BLE001 - a lost peer or store: its timeout remains
+                _log.warning("mcrdl could not tell rank %d of a broken communicator: %s",
+                             peer, str(exc).splitlines()[0] if str(exc) else exc)
+
+    def _listen(self, reader: Any) -> None:
+        while True:
+            try:
+                raw = reader.queue_pop(self._key)
+            except Exception as exc:  # noqa: BLE001 - the store went away (finalize, a death)
+                if not self._closed:
+                    _log.debug("mcrdl stops listening for notices: %s", exc)
+                return
+            if raw == _STOP.encode() and self._closed:
+                return
+            try:
+                notice = json.loads(raw)
+                comm, cause = notice["comm"], notice["cause"]
+            except (ValueError, KeyError, TypeError):
+                _log.warning("mcrdl ignored a malformed notice: %r", raw[:200])
+                continue
+            self._engine.post_break(comm, cause)
+            self._engine.check_signals()
+
+    def close(self) -> None:
+        """Stop listening (idempotent). The engine no longer tells anybody of breaks."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._engine.on_break == self.tell:
+            self._engine.on_break = None
+        try:
+            self._store.queue_push(self._key, _STOP)
+        except Exception:  # noqa: BLE001 - the store is gone: so is the listener's connection
+            return
+        self._thread.join(timeout=5.0)

@@ -1,0 +1,300 @@
+"""The drivers (``engine._drivers``): who polls, and how a waiter idles, spins, blocks or hands
+its wait over; the background thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from mcrdl import BackendError, CommTimeoutError
+from mcrdl.engine import Engine
+from tests.engine.support import A, Blocking, Counting, awaited, submit
+from tests.manual_backend import ManualBackend
+
+def test_wait_timeout_leaves_the_future_in_flight(engine, mpi):
+    f = submit(engine, mpi, "barrier")
+    with pytest.raises(TimeoutError, match=r"did not finish within 0.001 s; it is still in flight"):
+        f.wait(timeout=0.001)
+    assert f.state == "ISSUED"
+    mpi.finish(mpi.started[0])
+    assert f.wait() is None
+
+def test_wait_drives_progress_itself(engine, mpi):
+    f = submit(engine, mpi, "allreduce", writes=[A], result="buf")
+    mpi.finish(mpi.started[0])  # finished in the backend, not yet seen by the engine
+    assert f.state == "ISSUED"
+    assert f.wait() == "buf"
+
+def test_await_drives_progress_from_the_loop(engine, mpi):
+    f = submit(engine, mpi, "allreduce", writes=[A], result="buf")
+
+    async def main():
+        async def finisher():
+            for _ in range(3):
+                await asyncio.sleep(0)
+            mpi.finish(mpi.started[0])
+
+        task = asyncio.ensure_future(finisher())
+        value = await f
+        await task
+        return value
+
+    assert asyncio.run(main()) == "buf"
+
+def test_poll_policy_idling_is_derived_from_its_settings():
+    from mcrdl.engine import PollPolicy
+
+    policy = PollPolicy(yield_seconds=5e-3, sleep_fraction=1 / 32, sleep_max=1e-3)
+    assert policy.patience == 5e-3
+    assert PollPolicy(oversubscribed=True).patience == 0.0  # never yield-poll oversubscribed
+    assert policy.block_patience == 3e-4  # a lone gloo wait blocks sooner than it sleeps...
+    assert PollPolicy(oversubscribed=True).block_patience == 0.0
+    assert PollPolicy(yield_seconds=1e-4).block_patience == 1e-4  # ...never later
+    assert policy.block_after(4) == 3e-4  # a small lone gloo operation is polled first...
+    assert policy.block_after((1 << 20) - 1) == 3e-4
+    assert policy.block_after(1 << 20) == 0.0  # ...a large one is blocked on at once
+    assert policy.nap(0.0) == 1e-4 / 32  # a fresh wait naps a floor, not zero
+    assert policy.nap(0.016) == 0.016 / 32  # a fraction of the time waited so far...
+    assert policy.nap(10.0) == 1e-3  # ...capped at sleep_max
+
+def test_a_lone_wait_on_a_blocking_backend_blocks_after_block_seconds():
+    """block_seconds, not yield_seconds, decides when a lone gloo-like wait blocks: with
+    yield_seconds at 60 s the wait would otherwise yield-poll past its 5 s timeout."""
+    from mcrdl.engine import PollPolicy
+
+    backend = Blocking()
+    engine = Engine(background=False, policy=PollPolicy(yield_seconds=60.0, block_seconds=0.0))
+    fut = submit(engine, backend, "allreduce")
+    fut.wait(timeout=5.0)
+    assert fut.done() and len(backend.blocked) == 1
+
+def test_a_large_lone_wait_on_a_blocking_backend_blocks_at_once():
+    """An operation of block_bytes or more is blocked on without polling first: with
+    block_seconds and yield_seconds at 60 s, a smaller one would poll past its timeout."""
+    from mcrdl.engine import PollPolicy
+
+    backend = Blocking()
+    policy = PollPolicy(yield_seconds=60.0, block_seconds=60.0)
+    engine = Engine(background=False, policy=policy)
+    fut = submit(engine, backend, "allreduce", nbytes=policy.block_bytes)
+    fut.wait(timeout=5.0)
+    assert fut.done() and len(backend.blocked) == 1
+
+def test_a_lone_await_on_a_blocking_backend_is_handed_to_a_thread_that_blocks():
+    """After await_block_seconds, an awaited lone gloo-like operation is handed to the background
+    thread, which blocks in the backend for it (the event loop then sleeps instead of taking
+    the CPU from gloo's threads); with yield_seconds at 60 s the await would otherwise poll
+    past its 5 s timeout."""
+    from mcrdl.engine import PollPolicy
+
+    backend = Blocking()
+    engine = Engine(policy=PollPolicy(yield_seconds=60.0, await_block_seconds=0.0))
+    try:
+        fut = submit(engine, backend, "allreduce")
+
+        async def main():
+            return await asyncio.wait_for(awaited(fut), 5.0)
+
+        asyncio.run(main())
+        assert fut.done()
+        assert len(backend.blocked) == 1
+        assert backend.blocked[0][0] is not threading.main_thread()
+    finally:
+        engine.close("test over")
+
+@pytest.mark.parametrize("oversubscribed", [False, True])
+def test_a_lone_await_on_a_blocking_backend_blocks_in_short_slices_in_the_loop(oversubscribed):
+    """From block_seconds until await_block_seconds, an awaited lone gloo-like operation is
+    waited for blocking in the loop's own thread (as wait() does: polling takes the CPU from
+    gloo's threads, and a hand-off costs ~110 µs), one slice of at most 1 ms at a time, with
+    the loop's other tasks running between slices; with yield_seconds at 60 s the await
+    would otherwise poll past its 5 s timeout."""
+    from mcrdl.engine import PollPolicy
+
+    ticks = [0]
+    backend = Blocking(finish_on=3, probe=lambda: ticks[0])
+    engine = Engine(policy=PollPolicy(yield_seconds=60.0, block_seconds=0.0,
+                                      await_block_seconds=60.0, oversubscribed=oversubscribed))
+    try:
+        fut = submit(engine, backend, "allreduce")
+
+        async def ticker():
+            while not fut.done():
+                ticks[0] += 1
+                await asyncio.sleep(0)
+
+        async def main():
+            task = asyncio.ensure_future(ticker())
+            await asyncio.wait_for(awaited(fut), 5.0)
+            await task
+
+        asyncio.run(main())
+        assert fut.done() and len(backend.blocked) == 3
+        assert all(thread is threading.main_thread() for thread, _, _ in backend.blocked)
+        assert all(timeout <= 1e-3 for _, timeout, _ in backend.blocked)
+        first, second, third = (tick for _, _, tick in backend.blocked)
+        assert first < second < third  # the other task ran between slices
+    finally:
+        engine.close("test over")
+
+def test_a_lone_wait_spins_on_its_request_and_settles_it():
+    """The only unfinished operation, on a backend that moves data only while polled, is
+    waited for by direct tests (Engine.spin_lone), not by polls of every track; a failure
+    there fails the future with the backend's error; an oversubscribed node never spins."""
+    from mcrdl.engine import PollPolicy
+
+    backend = Counting(after=5)
+    engine = Engine(background=False)
+    fut = submit(engine, backend, "allreduce", result="r", nbytes=64)
+    seen = []
+    fut.add_done_callback(seen.append)
+    assert fut.wait(timeout=5.0) == "r"
+    assert backend.one_tests == 5 and backend.tests == 0
+    assert engine.in_flight() == 0 and fut.lane.track.live == 0
+    # Settled in full: counted, its callback run once, and in its lane's flight record.
+    assert seen == [fut] and engine.stats().completed == 1
+    (record,) = fut.lane.records()
+    assert (record.kind, record.seq, record.state, record.nbytes) == ("allreduce", fut.seq,
+                                                                      "DONE", 64)
+    assert record.t_submit <= record.t_issue <= record.t_done == fut.t_done
+    assert fut.args is None and fut.hold is None  # buffers released at once
+
+    # A simulated world progresses only in its idle hook: no lone spin there, and spinning
+    # resumes once the hook is gone.
+    hooked = Counting(after=3)
+    engine = Engine(background=False)
+    engine.idle_hook = lambda: None
+    fut = submit(engine, hooked, "allreduce")
+    assert engine.spin_lone(fut) is False and hooked.one_tests == 0
+    engine.idle_hook = None
+    assert engine.spin_lone(fut) is True and hooked.one_tests == 3
+
+    failing = Counting(after=2, error=BackendError("link down"))
+    engine = Engine(background=False)
+    fut = submit(engine, failing, "allreduce")
+    with pytest.raises(BackendError, match="link down"):
+        fut.wait(timeout=5.0)
+    assert fut.state == "FAILED" and engine.in_flight() == 0
+
+    slow = Counting(after=10**9)
+    engine = Engine(background=False, policy=PollPolicy(oversubscribed=True))
+    fut = submit(engine, slow, "allreduce")
+    with pytest.raises(TimeoutError):
+        fut.wait(timeout=0.05)
+    assert slow.one_tests == 0 and slow.tests > 0
+
+def test_the_contract_default_test_one_reports_a_failed_request():
+    """Backend.test_one, for a backend that does not override it, answers through test():
+    a request that finished with an error raises it, and the lone spin fails the future."""
+    backend = ManualBackend()
+    engine = Engine(background=False)
+    fut = submit(engine, backend, "allreduce")
+    assert backend.test_one(backend.started[0]) is False
+    backend.finish(backend.started[0], BackendError("manual link down"))
+    with pytest.raises(BackendError, match="manual link down"):
+        backend.test_one(backend.started[0])
+    with pytest.raises(BackendError, match="manual link down"):
+        fut.wait(timeout=5.0)
+    assert fut.state == "FAILED" and engine.in_flight() == 0
+
+def test_a_lone_spin_stops_when_another_operation_arrives():
+    """A spin is bounded (lone_spins tests), so an operation that another thread submits
+    meanwhile is polled soon after (rule 5 of DESIGN.md: the spin cannot interleave with the
+    submitter, which waits for the engine's lock or the GIL); and a wait that starts with
+    two in flight never spins."""
+    backend = Counting(after=10**9)
+    engine = Engine(background=False)
+    first = submit(engine, backend, "allreduce")
+    go = threading.Event()
+    real_test_one = backend.test_one
+
+    def test_one(request):
+        if backend.one_tests == 3:
+            go.set()
+        return real_test_one(request)
+
+    backend.test_one = test_one  # type: ignore[method-assign]
+
+    def arrive():  # another thread submits while the first waiter spins
+        go.wait(5.0)
+        submit(engine, backend, "allreduce", comm="other")
+        for req in backend.started:
+            req.done = True
+
+    thread = threading.Thread(target=arrive)
+    thread.start()
+    assert first.wait(timeout=5.0) is None
+    thread.join(5.0)
+    assert backend.tests > 0  # the general poll found both
+    assert backend.one_tests <= engine.policy.lone_spins
+    engine.poll_once()
+    assert engine.in_flight() == 0
+
+    # Two in flight from the start: no spin at all.
+    backend.one_tests = 0
+    a = submit(engine, backend, "allreduce")
+    b = submit(engine, backend, "allreduce", comm="other")
+    for req in backend.started[-2:]:
+        req.done = True
+    a.wait(timeout=5.0)
+    b.wait(timeout=5.0)
+    assert backend.one_tests == 0
+
+
+def _until(predicate, seconds=5.0):
+    import time
+
+    end = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > end:
+            return False
+        time.sleep(1e-3)
+    return True
+
+
+def test_the_background_thread_checks_deadlines_while_mpi_work_is_in_flight(clock, mpi):
+    """Nobody waits, and an MPI-like operation (its data moves only while polled, so the
+    thread keeps polling it) outlives the timeout: the thread fails it by itself."""
+    engine = Engine(clock=clock, timeout=5.0)
+    try:
+        stuck = submit(engine, mpi, "allreduce")
+        engine.wake_background()
+        clock.now += 6
+        assert _until(stuck.done), "the timeout surfaced only when somebody waited"
+        assert isinstance(stuck.exception(), CommTimeoutError)
+    finally:
+        engine.close("test over")
+
+
+def test_the_background_thread_outlives_a_failure_and_a_raising_callback(mpi, caplog):
+    """A callback that raises, or a backend failing in an unexpected way, must not end the
+    thread: an await handed over to it would never resolve."""
+    engine = Engine()
+    try:
+        first = submit(engine, mpi, "barrier")
+        first.add_done_callback(lambda fut: 1 / 0)
+        real_test = mpi.test
+        calls = [0]
+
+        def test(requests):  # one unexpected failure inside the poll
+            calls[0] += 1
+            if calls[0] == 1:
+                raise RuntimeError("a backend bug")
+            return real_test(requests)
+
+        mpi.test = test  # type: ignore[method-assign]
+        with caplog.at_level("ERROR", logger="mcrdl"):
+            engine.wake_background()
+            mpi.finish(mpi.started[0])
+            assert _until(first.done)
+            second = submit(engine, mpi, "barrier")
+            engine.wake_background()
+            mpi.finish(mpi.started[1])
+            assert _until(second.done), "the thread died"
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("progress thread caught an unexpected error" in m for m in messages)
+        assert any("Exception in done-callback" in m for m in messages)
+    finally:
+        engine.close("test over")

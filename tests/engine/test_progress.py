@@ -1,0 +1,432 @@
+"""The progress engine (``engine._progress``): issue order, hazards and ``after=`` edges across
+backends, failures and cancellation, timeouts, what stays alive; driven by hand against a
+manual backend, without threads or sleeps."""
+
+from __future__ import annotations
+
+import pytest
+
+from mcrdl import (
+    BackendError,
+    CommBrokenError,
+    CommTimeoutError,
+    DependencyFailedError,
+    FutureCancelledError,
+    InvalidStateError,
+    RuntimeFinalizedError,
+)
+from mcrdl.engine import CommFuture, Engine
+from tests.engine.support import A, A_HALF, B, Counting, Holds, Uncancellable, finish, submit
+from tests.manual_backend import ManualBackend
+
+def test_issues_at_submit_when_lane_idle_and_no_dependencies(engine, mpi):
+    f = submit(engine, mpi, "allreduce", writes=[A])
+    assert f.state == "ISSUED"
+    assert mpi.events == [("start", "allreduce")]
+    finish(engine, mpi, 0)
+    assert f.done() and f.result() is None
+
+def test_independent_ops_on_one_lane_are_all_in_flight(engine, mpi):
+    fs = [submit(engine, mpi, "allreduce", writes=[(0x1000 * i, 0x1000 * i + 8)])
+          for i in range(1, 4)]
+    assert [f.state for f in fs] == ["ISSUED"] * 3
+
+def test_read_after_write_across_backends_waits_for_completion(engine, mpi, gloo):
+    w = submit(engine, gloo, "allreduce", writes=[A])
+    r = submit(engine, mpi, "alltoall", reads=[A], writes=[B])
+    assert r.state == "PENDING" and mpi.started == []
+    finish(engine, gloo, 0)
+    assert w.state == "DONE" and r.state == "ISSUED"
+
+def test_write_after_read_and_write_after_write(engine, mpi, gloo):
+    r = submit(engine, mpi, "send", reads=[A])
+    w = submit(engine, gloo, "recv", writes=[A])
+    w2 = submit(engine, mpi, "broadcast", writes=[A])
+    assert (r.state, w.state, w2.state) == ("ISSUED", "PENDING", "PENDING")
+    finish(engine, mpi, 0)
+    assert (w.state, w2.state) == ("ISSUED", "PENDING")
+    finish(engine, gloo, 0)
+    assert w2.state == "ISSUED"
+
+def test_reads_do_not_order_reads(engine, mpi, gloo):
+    submit(engine, mpi, "send", reads=[A])
+    f = submit(engine, gloo, "send", reads=[A])
+    assert f.state == "ISSUED"
+
+def test_partial_overlap_is_a_hazard(engine, mpi, gloo):
+    submit(engine, mpi, "recv", writes=[A])
+    f = submit(engine, gloo, "send", reads=[A_HALF])
+    g = submit(engine, gloo, "send", reads=[(A[1], A[1] + 8)])  # adjacent, not overlapping
+    assert f.state == "PENDING"
+    assert g.state == "PENDING"  # behind f on the gloo lane: no overtaking
+    finish(engine, mpi, 0)
+    assert f.state == g.state == "ISSUED"
+
+def test_no_overtaking_in_a_lane(engine, mpi, gloo):
+    submit(engine, gloo, "allreduce", writes=[A])
+    blocked = submit(engine, mpi, "allreduce", writes=[A])
+    ready = submit(engine, mpi, "allreduce", writes=[B])
+    assert blocked.state == "PENDING" and ready.state == "PENDING"
+    assert mpi.started == []
+    finish(engine, gloo, 0)
+    assert [r.args for r in mpi.started] == [("allreduce",), ("allreduce",)]
+    assert blocked.state == ready.state == "ISSUED"
+
+def test_lanes_of_different_communicators_are_independent(engine, mpi, gloo):
+    submit(engine, gloo, "allreduce", writes=[A])
+    submit(engine, mpi, "allreduce", writes=[A], comm="world")
+    other = submit(engine, mpi, "allreduce", writes=[B], comm="world.1c0")
+    assert other.state == "ISSUED"
+
+def test_after_edges(engine, mpi, gloo):
+    first = submit(engine, gloo, "barrier")
+    second = submit(engine, mpi, "barrier", after=[first])
+    assert second.state == "PENDING"
+    finish(engine, gloo, 0)
+    assert second.state == "ISSUED"
+
+def test_after_a_failed_future_fails_at_once(engine, mpi):
+    bad = submit(engine, mpi, "barrier")
+    finish(engine, mpi, 0, RuntimeError("boom"))
+    f = submit(engine, mpi, "barrier", after=[bad])
+    assert f.state == "FAILED"
+    with pytest.raises(DependencyFailedError, match=r"depends on barrier#\d+, which failed: boom"):
+        f.result()
+    assert len(mpi.started) == 1
+
+def test_after_rejects_non_futures(engine, mpi):
+    with pytest.raises(TypeError, match=r"^after= takes CommFutures, got int: 3$"):
+        submit(engine, mpi, "barrier", after=[3])
+    assert engine.stats().submitted == 0
+
+def test_failure_propagates_to_exactly_the_dependants(engine, mpi, gloo):
+    src = submit(engine, gloo, "allreduce", writes=[A])
+    dep = submit(engine, mpi, "send", reads=[A])
+    dep2 = submit(engine, mpi, "broadcast", writes=[B], after=[dep])
+    independent = submit(engine, gloo, "allreduce", writes=[(0x9000, 0x9008)])
+    lane_successor = submit(engine, gloo, "barrier")
+    finish(engine, gloo, 0, RuntimeError("gloo exploded"))
+    assert src.state == "FAILED"
+    assert isinstance(src.exception(), RuntimeError)
+    assert dep.state == "FAILED" and isinstance(dep.exception(), DependencyFailedError)
+    assert dep2.state == "FAILED" and isinstance(dep2.exception(), DependencyFailedError)
+    assert independent.state == "ISSUED"
+    assert lane_successor.state == "ISSUED"
+    assert mpi.started == []
+
+def test_backend_start_error_fails_only_that_future(engine, mpi):
+    mpi.fail_start = "invalid communicator"
+    bad = submit(engine, mpi, "allreduce", writes=[A])
+    mpi.fail_start = None
+    good = submit(engine, mpi, "allreduce", writes=[B])
+    assert bad.state == "FAILED"
+    with pytest.raises(BackendError, match=r"failed to start: invalid communicator$"):
+        bad.result()
+    assert good.state == "ISSUED"
+
+def test_cancel_pending_fails_dependants(engine, mpi, gloo):
+    submit(engine, gloo, "allreduce", writes=[A])
+    victim = submit(engine, mpi, "allreduce", writes=[A])
+    dependant = submit(engine, mpi, "send", reads=[A])
+    assert victim.cancel() is True
+    assert victim.cancelled() and victim.state == "CANCELLED"
+    with pytest.raises(FutureCancelledError):
+        victim.result()
+    assert isinstance(dependant.exception(), DependencyFailedError)
+    assert "cancelled" in str(dependant.exception())
+
+def test_cancel_issued_is_refused_when_backend_cannot(engine, mpi):
+    mpi.capabilities = type(mpi.capabilities)(
+        ops=mpi.capabilities.ops, dtypes=mpi.capabilities.dtypes, cancel=False)
+    f = submit(engine, mpi, "barrier")
+    with pytest.raises(InvalidStateError, match=r"cannot cancel .* it was issued already"):
+        f.cancel()
+    finish(engine, mpi, 0)
+    assert f.cancel() is False
+
+def test_cancelled_writer_does_not_hide_an_earlier_writer(engine, mpi, gloo):
+    # w1 in flight, w2 waits for it and is cancelled: a later reader must still wait for w1.
+    w1 = submit(engine, gloo, "allreduce", writes=[A])
+    w2 = submit(engine, mpi, "allreduce", writes=[A])
+    w2.cancel()
+    reader = submit(engine, mpi, "send", reads=[A], comm="other")
+    assert reader.state == "PENDING"
+    finish(engine, gloo, 0)
+    assert w1.state == "DONE" and reader.state == "ISSUED"
+
+def test_long_chain_settles_without_recursion(engine, mpi):
+    class Sync(ManualBackend):
+        def _start(self, op, *args):
+            return None  # finished during start
+
+    sync = Sync(name="sync")
+    head = submit(engine, mpi, "allreduce", writes=[A])
+    chain = [submit(engine, sync, "allreduce", writes=[A]) for _ in range(5000)]
+    assert chain[-1].state == "PENDING"
+    finish(engine, mpi, 0)
+    assert head.state == "DONE" and all(f.state == "DONE" for f in chain)
+    assert engine.stats().in_flight == 0 and engine.in_flight() == 0
+
+def test_timeout_fails_old_ops_and_dumps_flight_record(clock, mpi):
+    dumps = []
+    engine = Engine(background=False, clock=clock, timeout=5.0,
+                    on_timeout=lambda expired, record: dumps.append((expired, record)))
+    done = submit(engine, mpi, "barrier")
+    finish(engine, mpi, 0)
+    old = submit(engine, mpi, "allreduce", writes=[A])
+    clock.now += 3
+    young = submit(engine, mpi, "allreduce", writes=[B])
+    engine.check_deadlines(clock.now)
+    assert old.state == young.state == "ISSUED"
+    clock.now += 2.5
+    engine.check_deadlines(clock.now)
+    assert old.state == "FAILED" and young.state == "ISSUED" and done.state == "DONE"
+    err = old.exception()
+    assert isinstance(err, CommTimeoutError) and isinstance(err, TimeoutError)
+    assert f"allreduce#{old.seq} on lane mpi:world (rank 0 of 1) did not finish within 5 s" in str(err)
+    [(expired, record)] = dumps
+    assert expired == [old]
+    assert "lane mpi:world rank 0/1" in record
+    assert f"barrier#{done.seq}" in record and "DONE" in record
+    assert f"allreduce#{young.seq}" in record and "ISSUED" in record
+
+def test_fail_all_and_close(engine, mpi):
+    f = submit(engine, mpi, "barrier")
+    g = submit(engine, mpi, "barrier", after=[f])
+    n = engine.fail_all(lambda fut: RuntimeFinalizedError(f"finalized before {fut.kind}"))
+    assert n == 2
+    assert isinstance(f.exception(), RuntimeFinalizedError)
+    assert isinstance(g.exception(), (RuntimeFinalizedError, DependencyFailedError))
+    engine.close("test")
+    with pytest.raises(RuntimeFinalizedError, match=r"^cannot submit barrier: the runtime was finalized \(test\)$"):
+        submit(engine, mpi, "barrier")
+
+def test_stats_and_repr(engine, mpi, gloo):
+    f = submit(engine, gloo, "allreduce", writes=[A])
+    g = submit(engine, mpi, "allreduce", writes=[A])
+    assert repr(g) == f"<CommFuture allreduce#{g.seq} PENDING on mpi lane=world rank=0/1 deps=1>"
+    s = engine.stats()
+    assert (s.submitted, s.issued, s.pending, s.in_flight, s.lanes) == (2, 1, 1, 1, 2)
+    finish(engine, gloo, 0)
+    finish(engine, mpi, 0)
+    s = engine.stats()
+    assert (s.completed, s.pending, s.in_flight) == (2, 0, 0)
+    assert f.done()
+
+def test_an_operation_holds_its_buffers_until_it_ends_however_it_ends(engine, mpi, gloo):
+    """``hold`` stays alive while the operation is unfinished and is let go when it finishes,
+    fails, is cancelled or fails with a dependency; ``start`` and ``args`` are let go once it
+    is issued, or once it ends unissued (an operation in flight keeps two objects fewer for
+    the garbage collector)."""
+    held = Holds()
+    a = submit(engine, mpi, "allreduce", writes=[A], hold=held("a"))  # issued at once
+    b = submit(engine, mpi, "allreduce", writes=[A], hold=held("b"))  # waits for a
+    c = submit(engine, gloo, "allreduce", writes=[B], hold=held("c"))
+    d = submit(engine, gloo, "allreduce", writes=[B], hold=held("d"))  # waits for c
+    e = submit(engine, gloo, "allreduce", after=[b], hold=held("e"))  # fails with b
+    assert (a.start, a.args) == (None, None) and b.args == ("allreduce",)
+    assert held.alive() == ["a", "b", "c", "d", "e"]
+    finish(engine, mpi, 0)
+    assert a.state == "DONE" and b.state == "ISSUED" and b.args is None
+    assert held.alive() == ["b", "c", "d", "e"]
+    assert d.cancel()
+    assert held.alive() == ["b", "c", "e"] and (d.start, d.args) == (None, None)
+    finish(engine, mpi, 1, error=RuntimeError("link down"))
+    assert b.state == "FAILED" and e.state == "FAILED" and (e.start, e.args) == (None, None)
+    assert held.alive() == ["c"]
+    finish(engine, gloo, 0)
+    assert c.state == "DONE" and held.alive() == []
+
+    # The lone wait settles through the same path: it lets go too.
+    lone = Engine(background=False)
+    fut = submit(lone, Counting(after=3), "allreduce", hold=held("lone"))
+    assert held.alive() == ["lone"]
+    fut.wait(timeout=5.0)
+    assert held.alive() == []
+
+def test_an_issued_operation_that_fails_keeps_its_buffers_if_its_backend_may_still_use_them(
+        clock, gloo):
+    """A timed-out or aborted operation whose backend cannot cancel it may still have its
+    memory read or written by that backend: its buffers (and its result) stay alive. One
+    that its backend cancelled, or that was never issued, lets go."""
+    mpi = Uncancellable(name="mpi")
+    engine = Engine(background=False, clock=clock, timeout=10.0)
+    held = Holds()
+    a = submit(engine, mpi, "allreduce", writes=[A], hold=held("a"))
+    b = submit(engine, gloo, "allreduce", hold=held("b"))  # its backend cancels it
+    clock.now += 11
+    engine.check_deadlines(clock.now)
+    assert isinstance(a.exception(), CommTimeoutError)
+    assert isinstance(b.exception(), CommTimeoutError)
+    assert held.alive() == ["a"]
+    c = submit(engine, mpi, "allreduce", writes=[B], hold=held("c"))
+    d = submit(engine, mpi, "allreduce", writes=[B], hold=held("d"))  # waits for c
+    assert engine.fail_all(lambda f: RuntimeFinalizedError("finalized")) == 2
+    assert c.state == d.state == "FAILED"
+    assert held.alive() == ["a", "c"]
+
+
+# -- rule 7: an operation that will not run as issued breaks its communicator ------------
+
+
+def _pair(name="mpi", **kw):
+    """A backend whose world has two ranks (this one is rank 0): operations have a peer."""
+    return ManualBackend(name=name, rank=0, size=2, **kw)
+
+
+def test_an_operation_that_ends_unissued_breaks_its_communicator(engine):
+    mpi, gloo = _pair("mpi"), _pair("gloo")
+    told = []
+    engine.on_break = lambda comm, cause: told.append((comm.name, cause))
+    a = submit(engine, mpi, "allreduce", writes=[A])  # issued
+    b = submit(engine, mpi, "allreduce", writes=[A])  # waits for a
+    c = submit(engine, gloo, "allreduce", writes=[B])  # issued, another lane of world
+    d = submit(engine, gloo, "allreduce", writes=[(0x9000, 0x9008)], comm="other")
+    assert b.cancel() is True and b.cancelled()
+    cause = f"on rank 0, allreduce#{b.seq} on lane mpi:world was cancelled"
+    assert told == [("world", cause)]
+    for fut in (a, c):
+        assert fut.state == "FAILED" and isinstance(fut.exception(), CommBrokenError)
+        assert f"communicator world is broken ({cause}); nothing more runs on it" in str(
+            fut.exception())
+    assert d.state == "ISSUED"  # another communicator goes on
+    started = len(mpi.started)
+    later = submit(engine, mpi, "barrier")
+    assert isinstance(later.exception(), CommBrokenError) and len(mpi.started) == started
+    assert told == [("world", cause)]  # told once
+
+
+def test_a_failure_its_backend_reports_is_the_operations_own(engine):
+    """The peers matched an issued operation that then failed here (a truncated receive):
+    the communicator stays in step, until an operation that depends on it cannot be issued."""
+    mpi = _pair()
+    bad = submit(engine, mpi, "recv", writes=[A])
+    other = submit(engine, mpi, "allreduce", writes=[B])
+    finish(engine, mpi, 0, BackendError("MPI: message truncated"))
+    assert bad.state == "FAILED" and other.state == "ISSUED"
+    assert engine._comms["world"].broken is None
+    dep = submit(engine, mpi, "send", reads=[A], after=[bad])  # cannot be issued
+    assert isinstance(dep.exception(), DependencyFailedError)
+    assert "recv" in engine._comms["world"].broken
+    assert isinstance(other.exception(), CommBrokenError)
+
+
+def test_a_timeout_breaks_its_communicator(clock):
+    mpi = _pair()
+    engine = Engine(background=False, clock=clock, timeout=5.0)
+    old = submit(engine, mpi, "allreduce", writes=[A])
+    clock.now += 6
+    young = submit(engine, mpi, "allreduce", writes=[B])
+    engine.check_deadlines(clock.now)
+    assert isinstance(old.exception(), CommTimeoutError)
+    assert isinstance(young.exception(), CommBrokenError)
+    assert "did not finish within 5 s" in str(young.exception())
+
+
+def test_a_break_a_peer_tells_of_fails_everything_there_at_the_next_check(engine):
+    mpi = _pair()
+    a = submit(engine, mpi, "allreduce", writes=[A])
+    b = submit(engine, mpi, "allreduce", writes=[A])
+    engine.post_break("world", "on rank 1, allreduce#2 on lane mpi:world was cancelled")
+    engine.post_break("world.1c0", "on rank 1, barrier#1 on lane mpi:world.1c0 was cancelled")
+    assert a.state == "ISSUED" and b.state == "PENDING"  # applied at the next check only
+    engine.check_signals()
+    for fut in (a, b):
+        assert "communicator world is broken (on rank 1, allreduce#2" in str(fut.exception())
+    # Told of before this rank made it (a peer may break one while it is still being made).
+    early = submit(engine, mpi, "barrier", comm="world.1c0")
+    assert "(on rank 1, barrier#1 on lane mpi:world.1c0 was cancelled)" in str(
+        early.exception())
+
+
+def test_a_communicator_of_one_never_breaks(engine, mpi):
+    submit(engine, mpi, "allreduce", writes=[A])
+    victim = submit(engine, mpi, "allreduce", writes=[A])
+    victim.cancel()
+    assert submit(engine, mpi, "allreduce", writes=[B]).state == "ISSUED"
+    assert engine._comms["world"].broken is None
+
+
+def test_a_zombie_keeps_its_bytes_until_its_backend_is_done_with_them(clock):
+    """An issued operation the engine gives up on, which its backend cannot cancel, may
+    still write its buffer: an operation on those bytes fails at once instead of racing it,
+    until the backend reports the zombie finished."""
+    mpi = _pair(capabilities=None)
+    mpi.cancel = lambda request: False  # like MPI's collectives
+    engine = Engine(background=False, clock=clock)
+    zombie = submit(engine, mpi, "allreduce", writes=[A])
+    submit(engine, mpi, "allreduce", writes=[B], after=[zombie]).cancel()  # breaks world
+    assert isinstance(zombie.exception(), CommBrokenError)
+    assert engine.stats().zombies == 1 and engine.zombies() == [zombie]
+    racer = submit(engine, mpi, "allreduce", reads=[A_HALF], comm="other")
+    assert isinstance(racer.exception(), DependencyFailedError)  # (and "other" breaks)
+    assert "may still write: it was given up while issued" in str(racer.exception())
+    assert submit(engine, mpi, "allreduce", writes=[B], comm="second").state == "ISSUED"
+    mpi.started[0].done = True  # the backend lets go: the next touch buries it
+    assert submit(engine, mpi, "allreduce", writes=[A], comm="second").state == "ISSUED"
+    assert engine.stats().zombies == 0
+    # Or the periodic check buries it.
+    third = submit(engine, mpi, "allreduce", writes=[(0x5000, 0x5008)], comm="third")
+    submit(engine, mpi, "barrier", comm="third", after=[third]).cancel()
+    assert engine.stats().zombies == 1
+    third._request.done = True
+    clock.now += 1
+    engine.check_deadlines(clock.now)
+    assert engine.stats().zombies == 0
+
+
+# -- routed operations -------------------------------------------------------------------
+
+
+def _routed(engine, lanes, choose, after=(), writes=()):
+    fut = CommFuture("alltoallv", lanes[0], 99, None, (None,), (), tuple(writes), "r", 0)
+    return engine.submit_routed(fut, tuple(lanes), choose, after)
+
+
+def test_a_routed_operation_holds_its_place_in_every_candidate_lane(engine):
+    mpi, gloo = _pair("mpi"), _pair("gloo")
+    comm = engine.comm("world", 0, 2)
+    lanes = [engine.lane(mpi, mpi.world(), comm), engine.lane(gloo, gloo.world(), comm)]
+    exchange = submit(engine, mpi, "alltoall")
+
+    def choose(fut):
+        fut.lane, fut.start, fut.args = lanes[1], gloo.start_alltoallv, ("routed",)
+
+    routed = _routed(engine, lanes, choose, after=[exchange])
+    on_mpi = submit(engine, mpi, "allreduce", writes=[A])
+    on_gloo = submit(engine, gloo, "allreduce", writes=[B])
+    assert (routed.state, on_mpi.state, on_gloo.state) == ("PENDING",) * 3
+    finish(engine, mpi, 0)  # the exchange: routed goes to gloo, then what waited behind it
+    assert [r.args for r in gloo.started] == [("routed",), ("allreduce",)]
+    assert [r.args for r in mpi.started] == [("alltoall",), ("allreduce",)]
+    assert routed.lane is lanes[1] and routed.state == on_mpi.state == "ISSUED"
+
+
+def test_a_routed_operation_that_cannot_be_routed_fails_and_lets_the_lanes_go(engine):
+    mpi = _pair()
+    comm = engine.comm("world", 0, 2)
+    lane = engine.lane(mpi, mpi.world(), comm)
+
+    def choose(fut):
+        raise ValueError("no backend for 3 GiB")
+
+    gate = submit(engine, mpi, "alltoall")
+    routed = _routed(engine, [lane], choose, after=[gate])
+    finish(engine, mpi, 0)
+    assert routed.state == "FAILED" and "no backend for 3 GiB" in str(routed.exception())
+    assert "no backend for 3 GiB" in comm.broken  # it was never issued: its peers may have
+
+
+# -- observers ---------------------------------------------------------------------------
+
+
+def test_observers_see_every_submission_with_its_descriptor_before_it_is_issued(engine, mpi):
+    seen = []
+    stop = engine.observe(lambda fut, after: seen.append((fut.kind, fut.state, fut.args,
+                                                          after)))
+    first = submit(engine, mpi, "allreduce", writes=[A])
+    submit(engine, mpi, "broadcast", writes=[B], after=[first])
+    stop()
+    submit(engine, mpi, "barrier")
+    assert seen == [("allreduce", "PENDING", ("allreduce",), ()),
+                    ("broadcast", "PENDING", ("broadcast",), (first,))]
