@@ -79,8 +79,10 @@ def programs(
             floating = dtype.startswith("float")
             op = draw(st.sampled_from([o for o in ops if floating or o is not ReduceOp.AVG]))
             others = [s for s in range(nslots) if s != slot and slots[s][0] == dtype]
-            after = tuple(sorted(set(draw(st.lists(st.integers(0, max(0, i - 1)), max_size=2)))
-                                 )) if i else ()
+            # (drawn over attempts, so that the search stays where it was; only edges to
+            # steps made already are kept)
+            drawn = draw(st.lists(st.integers(0, max(0, i - 1)), max_size=2)) if i else []
+            after = tuple(sorted({j for j in drawn if j < len(steps)}))
             root = draw(st.integers(0, n - 1))
             cap = slot_length
             if kind in _IN_PLACE or kind == "barrier":
