@@ -68,6 +68,8 @@ class Buffer(NamedTuple):
         is_torch: a torch tensor (else a numpy array).
         fresh: allocated by mcrdl for this operation (an ``out`` the caller did not pass).
         device: where its memory lives, as torch names devices (``"cpu"``).
+        ranges: the byte ranges the engine tracks hazards on: none for an empty or fresh
+            buffer (made with the buffer: every operation reads it).
     """
 
     obj: Any
@@ -77,6 +79,7 @@ class Buffer(NamedTuple):
     is_torch: bool
     fresh: bool
     device: str
+    ranges: tuple[tuple[int, int], ...]
 
     @property
     def stop(self) -> int:
@@ -87,11 +90,6 @@ class Buffer(NamedTuple):
     def shape(self) -> tuple[int, ...]:
         """The buffer's shape (read from the object: most operations never need it)."""
         return tuple(self.obj.shape)
-
-    def ranges(self) -> tuple[tuple[int, int], ...]:
-        """The byte ranges the engine tracks hazards on: none for an empty or fresh buffer."""
-        n = self.nbytes
-        return ((self.addr, self.addr + n),) if n and not self.fresh else ()
 
     def numpy(self) -> np.ndarray[Any, Any]:
         """A numpy view of the buffer (bfloat16 as int16 bits: data movement only)."""
@@ -140,7 +138,7 @@ def new_buffer(obj: Any, is_torch: bool, dtype: DType) -> Buffer:
     """A Buffer for an array mcrdl allocated itself (contiguous, host memory, unshared)."""
     n = obj.nbytes
     return _new(Buffer, (obj, dtype, n, obj.data_ptr() if is_torch and n else 0, is_torch, True,
-                         _CPU))
+                         _CPU, ()))
 
 
 def as_buffer(obj: Any, name: str, writable: bool = False) -> Buffer:
@@ -156,7 +154,10 @@ def as_buffer(obj: Any, name: str, writable: bool = False) -> Buffer:
         if dt is None or not obj.is_cpu or not obj.is_contiguous():
             _refuse_tensor(obj, name, dt)
         n = obj.nbytes
-        return _new(Buffer, (obj, dt, n, obj.data_ptr() if n else 0, True, False, _CPU))
+        if not n:
+            return _new(Buffer, (obj, dt, 0, 0, True, False, _CPU, ()))
+        addr = obj.data_ptr()
+        return _new(Buffer, (obj, dt, n, addr, True, False, _CPU, ((addr, addr + n),)))
     if isinstance(obj, np.ndarray):
         dt = _NUMPY_DTYPES.get(obj.dtype)
         if dt is None:
@@ -174,8 +175,10 @@ def as_buffer(obj: Any, name: str, writable: bool = False) -> Buffer:
         if writable and not flags.writeable:
             raise ValueError(f"{name} is read-only but this operation writes it; pass a writable array")
         n = obj.nbytes
-        return _new(Buffer, (obj, dt, n, obj.__array_interface__["data"][0] if n else 0,
-                             False, False, _CPU))
+        if not n:
+            return _new(Buffer, (obj, dt, 0, 0, False, False, _CPU, ()))
+        addr = obj.__array_interface__["data"][0]
+        return _new(Buffer, (obj, dt, n, addr, False, False, _CPU, ((addr, addr + n),)))
     if tensor_type is None and _torch_tensor_type() is not None:
         return as_buffer(obj, name, writable)  # first tensor of the process: tables are ready
     raise TypeError(

@@ -109,14 +109,23 @@ class Communicator:
 
     # -- plumbing ------------------------------------------------------------------------
 
-    def _choice(
+    def _choose(
+        self, kind: OpKind, dtype: DType | None, op: ReduceOp | None, nbytes: int, backend: Any
+    ) -> tuple[Slot, bool]:
+        """The slot to run a message of ``nbytes`` (global size) on, and whether AVG must be
+        emulated (SUM, then divide)."""
+        choice = self._choice_cache.get((kind, dtype, op, backend))
+        if choice is None:
+            choice = self._decide(kind, dtype, op, backend)
+        return choice if type(choice) is tuple else choice.pick(nbytes)  # type: ignore[union-attr]
+
+    def _decide(
         self, kind: OpKind, dtype: DType | None, op: ReduceOp | None, backend: Any
     ) -> tuple[Slot, bool] | Router:
-        """The slot to run on and whether AVG must be emulated (SUM, then divide), or a
-        `Router` where auto's choice depends on the global message size.
-
-        Cached per (kind, dtype, op, backend): a choice depends on nothing else (rule 4).
-        Closing the communicator empties the cache, so a cache hit also means "open".
+        """``(slot, emulate_avg)``, or a `Router` where auto's choice depends on the global
+        message size; cached per (kind, dtype, op, backend), since a choice depends on
+        nothing else (rule 4). Closing the communicator empties the cache, so a cache hit
+        also means "open".
         """
         key = (kind, dtype, op, backend)
         hit: tuple[Slot, bool] | Router | None = self._choice_cache.get(key)
@@ -131,13 +140,6 @@ class Communicator:
         choice = self._choice_cache[key] = self._selector.choose(
             self._slots, kind, dtype, op, backend, self.size)
         return choice
-
-    def _choose(
-        self, kind: OpKind, dtype: DType | None, op: ReduceOp | None, nbytes: int, backend: Any
-    ) -> tuple[Slot, bool]:
-        """``_choice`` for a message of ``nbytes`` (global size)."""
-        choice = self._choice(kind, dtype, op, backend)
-        return choice if type(choice) is tuple else choice.pick(nbytes)  # type: ignore[union-attr]
 
     def _mark_closed(self) -> None:
         self._closed = True
@@ -156,32 +158,29 @@ class Communicator:
         after: Sequence[CommFuture],
         finish: Any = None,
         hold: Any = None,
+        route: tuple[tuple[Lane, ...], Any] | None = None,
+        stream: tuple[int, int, bool] | None = None,
     ) -> CommFuture:
         """Describe the operation as its future and submit it: every operation comes here.
 
         ``hold``: the caller's objects the backend reads or writes by address, other than
-        ``result`` (the engine keeps them alive while the backend may use them).
+        ``result`` (the engine keeps them alive while the backend may use them). ``route``:
+        the candidate lanes and the chooser of an operation whose backend is decided later
+        (``Engine.submit``); ``slot`` is then only a placeholder among them. ``stream``:
+        ``(peer, tag, sends)`` for a send or receive (what its peer matches it among).
         """
-        fut = self._describe(kind, slot.lane, start, args, reads, writes, result, nbytes,
-                             finish, hold)
-        after = self._checked_after(kind, slot.backend.name, args, after)
-        return self._engine.submit(fut, after)
-
-    def _describe(self, kind: OpKind, lane: Lane, start: Any, args: tuple[Any, ...],
-                  reads: tuple[tuple[int, int], ...], writes: tuple[tuple[int, int], ...],
-                  result: Any, nbytes: int, finish: Any, hold: Any) -> CommFuture:
-        """The next operation on this communicator, as its future (not submitted yet)."""
         self._seq = seq = self._seq + 1
-        return CommFuture(_NAMES[kind], lane, seq, start, args, reads, writes, result, nbytes,
-                          finish, hold)
+        fut = CommFuture(_NAMES[kind], slot.lane, seq, start, args, reads, writes, result,
+                         nbytes, finish, hold, stream)
+        if self._debug is not None and kind in COLLECTIVES:
+            after = self._checked(kind, None if route else slot.backend.name, args, after)
+        return self._engine.submit(fut, after, route)
 
-    def _checked_after(self, kind: OpKind, backend: str | None, args: tuple[Any, ...],
-                       after: Sequence[CommFuture]) -> Sequence[CommFuture]:
-        """``after``, plus debug mode's fingerprint check of a collective (which the
-        collective then waits for); ``backend`` is None for one routed by its agreed size
-        (decided later, the same on every member by rule 4)."""
-        if self._debug is None or kind not in COLLECTIVES:
-            return after
+    def _checked(self, kind: OpKind, backend: str | None, args: tuple[Any, ...],
+                 after: Sequence[CommFuture]) -> list[CommFuture]:
+        """Debug mode: ``after`` plus this collective's fingerprint check, which it then
+        waits for; ``backend`` is None for one routed by its agreed size (decided later, the
+        same on every member by rule 4)."""
         # What every member must agree on: scatter's input exists on the root only, so its
         # output describes it; alltoallv's row counts differ per rank, so only its row shape.
         bufs = [a for a in args[1:] if isinstance(a, Buffer)]
@@ -195,7 +194,7 @@ class Communicator:
         self._cseq = cseq = self._cseq + 1
         fp = fingerprint(cseq, kind, dtype, shape, root, op,
                          -1 if backend is None else names.index(backend))
-        dbg = self._debug
+        dbg = cast("Slot", self._debug)  # (called in debug mode only)
         table = np.empty((self.size, FIELDS), dtype=np.int64)
         name = self.name
 
@@ -239,12 +238,13 @@ class Communicator:
 
     def _rows(self, kind: OpKind, b: Buffer, name: str = "buf") -> int:
         """dim 0 of ``b``, which must split into ``size`` equal chunks."""
-        if not b.shape:
+        shape = b.obj.shape
+        if not shape:
             raise ValueError(
                 f"{kind.value} splits dim 0, but {name} is 0-dimensional; pass "
                 f"{name}.reshape(1) or a buffer with a leading dimension"
             )
-        rows = b.shape[0]
+        rows: int = shape[0]
         if rows % self.size:
             raise ValueError(
                 f"{kind.value} needs dim 0 of {name} divisible by the communicator size "
@@ -262,7 +262,7 @@ class Communicator:
             raise TypeError(
                 f"out has dtype {o.dtype.value} but buf has {b.dtype.value}; they must match"
             )
-        if o.nbytes and b.nbytes and o.addr < b.stop and b.addr < o.stop:
+        if o.nbytes and b.nbytes and o.addr < b.addr + b.nbytes and b.addr < o.addr + o.nbytes:
             raise ValueError(
                 f"out overlaps buf; {kind.value} cannot run in place: pass a separate out"
             )
@@ -296,7 +296,8 @@ class Communicator:
         tag = self._tag_arg(tag)
         slot, _ = self._choose(OpKind.SEND, b.dtype, None, b.nbytes, backend)
         return self._submit(OpKind.SEND, slot, slot.backend.start_send, (slot.group, b, dst, tag),
-                            b.ranges(), _NO_RANGES, None, b.nbytes, after, hold=b.obj)
+                            b.ranges, _NO_RANGES, None, b.nbytes, after, hold=b.obj,
+                            stream=(dst, tag, True))
 
     def recv(
         self, buf: Any, src: int, tag: int = 0, *, backend: str | None = None,
@@ -308,7 +309,7 @@ class Communicator:
         tag = self._tag_arg(tag)
         slot, _ = self._choose(OpKind.RECV, b.dtype, None, b.nbytes, backend)
         return self._submit(OpKind.RECV, slot, slot.backend.start_recv, (slot.group, b, src, tag),
-                            _NO_RANGES, b.ranges(), buf, b.nbytes, after)
+                            _NO_RANGES, b.ranges, buf, b.nbytes, after, stream=(src, tag, False))
 
     # -- collectives ---------------------------------------------------------------------
 
@@ -320,7 +321,7 @@ class Communicator:
         b = as_buffer(buf, "buf", True)
         root = self._rank_arg("root", root)
         slot, _ = self._choose(_BROADCAST, b.dtype, None, b.nbytes, backend)
-        r = b.ranges()
+        r = b.ranges
         reads, writes = (r, _NO_RANGES) if root == self.rank else (_NO_RANGES, r)
         return self._submit(_BROADCAST, slot, slot.backend.start_broadcast,
                             (slot.group, b, root), reads, writes, buf, b.nbytes, after)
@@ -339,7 +340,7 @@ class Communicator:
             op = _SUM
             if root == self.rank:
                 finish = self._avg_finish(buf)
-        r = b.ranges()
+        r = b.ranges
         reads, writes = (_NO_RANGES, r) if root == self.rank else (r, _NO_RANGES)
         return self._submit(OpKind.REDUCE, slot, slot.backend.start_reduce,
                             (slot.group, b, root, op), reads, writes, buf, b.nbytes, after,
@@ -351,14 +352,15 @@ class Communicator:
     ) -> CommFuture:
         """Reduce every member's ``buf`` into every member's ``buf``; resolves to ``buf``."""
         b = as_buffer(buf, "buf", True)
-        op = _check_op(op)
+        if type(op) is not ReduceOp:
+            op = _check_op(op)
         slot, emulate = self._choose(_ALLREDUCE, b.dtype, op, b.nbytes, backend)
         finish = None
         if emulate:
             op = _SUM
             finish = self._avg_finish(buf)
         return self._submit(_ALLREDUCE, slot, slot.backend.start_allreduce, (slot.group, b, op),
-                            _NO_RANGES, b.ranges(), buf, b.nbytes, after, finish)
+                            _NO_RANGES, b.ranges, buf, b.nbytes, after, finish)
 
     def gather(
         self, buf: Any, root: int = 0, out: Any = None, *, backend: str | None = None,
@@ -378,8 +380,8 @@ class Communicator:
         if root == self.rank:
             o = self._out(OpKind.GATHER, out, b, (b.shape[0] * self.size, *b.shape[1:]))
         return self._submit(OpKind.GATHER, slot, slot.backend.start_gather,
-                            (slot.group, b, o, root), b.ranges(),
-                            o.ranges() if o is not None else _NO_RANGES,
+                            (slot.group, b, o, root), b.ranges,
+                            o.ranges if o is not None else _NO_RANGES,
                             o.obj if o is not None else None, b.nbytes, after, hold=b.obj)
 
     def allgather(
@@ -393,9 +395,11 @@ class Communicator:
             raise ValueError("allgather concatenates along dim 0, but buf is 0-dimensional; "
                              "pass buf.reshape(1)")
         slot, _ = self._choose(_ALLGATHER, b.dtype, None, b.nbytes * self.size, backend)
-        o = self._out(_ALLGATHER, out, b, (shape[0] * self.size, *shape[1:]))
+        # (rows,) for the common 1-d buffer: slicing a torch.Size costs 0.1-0.2 µs
+        o = self._out(_ALLGATHER, out, b, (shape[0] * self.size,) if len(shape) == 1
+                      else (shape[0] * self.size, *shape[1:]))
         return self._submit(_ALLGATHER, slot, slot.backend.start_allgather, (slot.group, b, o),
-                            b.ranges(), o.ranges(), o.obj, b.nbytes, after, hold=b.obj)
+                            b.ranges, o.ranges, o.obj, b.nbytes, after, hold=b.obj)
 
     def scatter(
         self, buf: Any, root: int = 0, out: Any = None, *, backend: str | None = None,
@@ -422,8 +426,8 @@ class Communicator:
         send = b if root == self.rank else None
         return self._submit(OpKind.SCATTER, slot, slot.backend.start_scatter,
                             (slot.group, send, o, root),
-                            send.ranges() if send is not None else _NO_RANGES,
-                            o.ranges(), o.obj, o.nbytes, after,
+                            send.ranges if send is not None else _NO_RANGES,
+                            o.ranges, o.obj, o.nbytes, after,
                             hold=send.obj if send is not None else None)
 
     def reduce_scatter(
@@ -432,7 +436,8 @@ class Communicator:
     ) -> CommFuture:
         """Reduce members' ``buf``; member i receives chunk i (along dim 0) in ``out``."""
         b = as_buffer(buf, "buf")
-        op = _check_op(op)
+        if type(op) is not ReduceOp:
+            op = _check_op(op)
         rows = self._rows(_REDUCE_SCATTER, b)
         slot, emulate = self._choose(_REDUCE_SCATTER, b.dtype, op, b.nbytes, backend)
         o = self._out(_REDUCE_SCATTER, out, b, (rows // self.size, *b.shape[1:]))
@@ -441,7 +446,7 @@ class Communicator:
             op = _SUM
             finish = self._avg_finish(o.obj)
         return self._submit(_REDUCE_SCATTER, slot, slot.backend.start_reduce_scatter,
-                            (slot.group, b, o, op), b.ranges(), o.ranges(), o.obj, b.nbytes,
+                            (slot.group, b, o, op), b.ranges, o.ranges, o.obj, b.nbytes,
                             after, finish, b.obj)
 
     def alltoall(
@@ -454,7 +459,7 @@ class Communicator:
         slot, _ = self._choose(_ALLTOALL, b.dtype, None, b.nbytes, backend)
         o = self._out(_ALLTOALL, out, b, b.obj.shape)
         return self._submit(_ALLTOALL, slot, slot.backend.start_alltoall, (slot.group, b, o),
-                            b.ranges(), o.ranges(), o.obj, b.nbytes, after, hold=b.obj)
+                            b.ranges, o.ranges, o.obj, b.nbytes, after, hold=b.obj)
 
     def alltoallv(
         self,
@@ -496,26 +501,25 @@ class Communicator:
                                  f"shape {tuple(b.shape)} needs (sum(recv_counts), *{tail})")
         else:
             o = None
-        choice = self._choice(OpKind.ALLTOALLV, b.dtype, None, backend)
-        writes = o.ranges() if o is not None else _NO_RANGES
+        choice = self._decide(OpKind.ALLTOALLV, b.dtype, None, backend)
+        writes = o.ranges if o is not None else _NO_RANGES
         if type(choice) is not tuple:  # routed by the agreed total, which the exchange gives
             router = cast("Router", choice)
             plan = Exchanged(self, b, send, tail, backend, router)
             lanes = tuple({id(s.lane): s.lane for s, _ in router.choices}.values())
-            args = (None, b, send, o, recv)  # the group, once routed
-            fut = self._describe(OpKind.ALLTOALLV, lanes[0], plan.start, args, b.ranges(),
-                                 writes, None, b.nbytes, plan.finish, b.obj)
-            after = self._checked_after(OpKind.ALLTOALLV, None, args, [*after, plan.exchange])
-            return self._engine.submit_routed(fut, lanes, plan.choose, after)
+            return self._submit(OpKind.ALLTOALLV, router.choices[0][0], plan.start,
+                                (None, b, send, o, recv),  # the group, once routed
+                                b.ranges, writes, None, b.nbytes, [*after, plan.exchange],
+                                plan.finish, b.obj, (lanes, plan.choose))
         slot = choice[0]
         if recv is not None and o is not None:
             return self._submit(OpKind.ALLTOALLV, slot, slot.backend.start_alltoallv,
-                                (slot.group, b, send, o, recv), b.ranges(), writes, o.obj,
+                                (slot.group, b, send, o, recv), b.ranges, writes, o.obj,
                                 b.nbytes, after, hold=b.obj)
         plan = Exchanged(self, b, send, tail, backend, None)
         plan.backend = slot.backend
         return self._submit(OpKind.ALLTOALLV, slot, plan.start, (slot.group, b, send, o, recv),
-                            b.ranges(), writes, None, b.nbytes, [*after, plan.exchange],
+                            b.ranges, writes, None, b.nbytes, [*after, plan.exchange],
                             plan.finish, b.obj)
 
     def _counts(self, name: str, counts: Sequence[int]) -> tuple[int, ...]:

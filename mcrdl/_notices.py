@@ -3,7 +3,9 @@
 A break is decided on one rank: one of its operations will not run as the peers expect (see
 `mcrdl.engine.CommState`). Its peers must stop too, within the runtime's timeout, naming that
 cause, or they would wait for an operation that never comes (and, had the lane gone on,
-match the wrong one). The bootstrap's store carries the notice: the breaking rank pushes it
+match the wrong one); and each member must learn where the others stopped issuing, so that
+what every member issued still finishes and the rest fails. Each member that stops tells
+every other member its stops. The bootstrap's store carries the notice: the breaking rank pushes it
 onto each member's queue in the store (``queue_push``), from a short-lived thread so that the
 caller never waits on the network; every rank has a thread blocked in ``queue_pop`` on its own
 queue, over a connection of its own (a ``clone`` of the store: the main connection also
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .engine import CommState, Engine
+    from .engine._lanes import Stops
 
 __all__ = ["Notices"]
 
@@ -54,9 +57,14 @@ class Notices:
         self._thread.start()
         engine.on_break = self.tell
 
-    def tell(self, comm: CommState, cause: str) -> None:
-        """Tell ``comm``'s other members that it broke here, for ``cause`` (returns at once)."""
-        payload = json.dumps({"comm": comm.name, "from": self._rank, "cause": cause})
+    def tell(self, comm: CommState, cause: str, stops: Stops) -> None:
+        """Tell ``comm``'s other members that this rank stopped issuing on it at ``stops``,
+        the communicator broken for ``cause`` (returns at once)."""
+        payload = json.dumps({
+            "comm": comm.name, "cause": cause, "rank": comm.rank,
+            "stops": {key: [first, [[*stream, n] for stream, n in streams.items()]]
+                      for key, (first, streams) in stops.items()},
+        })
         peers = [m for m in comm.members if m != self._rank]
         if peers:
             threading.Thread(target=self._push, args=(peers, payload),
@@ -82,11 +90,14 @@ class Notices:
                 return
             try:
                 notice = json.loads(raw)
-                comm, cause = notice["comm"], notice["cause"]
+                stops: Stops = {
+                    key: (first, {(peer, tag, bool(sends)): n for peer, tag, sends, n in streams})
+                    for key, (first, streams) in notice["stops"].items()}
+                comm, cause, peer = notice["comm"], notice["cause"], notice["rank"]
             except (ValueError, KeyError, TypeError):
                 _log.warning("mcrdl ignored a malformed notice: %r", raw[:200])
                 continue
-            self._engine.post_break(comm, cause)
+            self._engine.post_break(comm, cause, peer, stops)
             self._engine.check_signals()
 
     def close(self) -> None:

@@ -29,6 +29,7 @@ from ._select import DEFAULT_PREFERENCE, Selector, Slot
 from .backends import Backend, backend_class, known_backends
 from .backends._threaded import ThreadedBackend, Threads
 from .engine import CommFuture, Engine, PollPolicy
+from .engine._progress import linger
 from .tuning._table import TuningTable
 
 __all__ = ["Runtime", "current_runtime", "finalize", "init"]
@@ -179,9 +180,10 @@ class Runtime:
         groups = {}
         debug_group = None
         # Group creation blocks among the members only, all of which are making this same
-        # call right after the same allgather; holding the lock keeps MPI serialized.
+        # call right after the same allgather, backend by backend in name order (a selector's
+        # preference may differ between ranks); holding the lock keeps MPI serialized.
         with self.engine.lock:
-            for bname in self.selector.preference:
+            for bname in sorted(self._backends):
                 parent_group = parent._slots[bname].group
                 groups[bname] = self._backends[bname].create_group(parent_group, members, name)
             if self.config.debug:
@@ -199,23 +201,26 @@ class Runtime:
                     fut.wait()
                 except Exception:  # noqa: BLE001 - its owner sees the error; we only drain
                     pass
-        self._keep_zombies(comm.slots())
+        self._keep(comm)
         with self.engine.lock:
             for slot in comm.slots():
                 slot.backend.free_group(slot.group)
         self._comms.remove(comm)
 
-    def _keep_zombies(self, slots: list[Slot]) -> None:
-        """Before ``slots``' groups go: let each backend keep what the zombies there still
-        use (destroying a gloo group joins its threads, which wait in the abandoned
-        collective until gloo's own timeout)."""
+    def _keep(self, comm: Communicator) -> None:
+        """Before ``comm``'s groups go: let each backend keep those that peers may still be
+        waiting on. A broken communicator's groups, all of them: a peer that has not yet
+        heard of the break would otherwise see its operation fail with a closed connection
+        instead of the cause. Otherwise those with zombies (destroying a gloo group joins
+        its threads, which wait in the abandoned collective until gloo's own timeout)."""
         zombies = self.engine.zombies()
-        if zombies:
-            with self.engine.lock:
-                for slot in slots:
-                    for fut in zombies:
-                        if fut.lane is slot.lane:
-                            slot.backend.abandon(slot.group, fut._request)
+        broken = any(slot.lane.comm.broken is not None for slot in comm.slots())
+        if not broken and not zombies:
+            return
+        with self.engine.lock:
+            for slot in comm.slots():
+                if broken or any(fut.lane is slot.lane for fut in zombies):
+                    slot.backend.abandon(slot.group)
 
     def _dump_flight_record(self, expired: list[CommFuture], record: str) -> None:
         text = (
@@ -260,7 +265,7 @@ class Runtime:
             _unhealthy = True
         self.finalized = True
         for comm in self._comms:
-            self._keep_zombies(comm.slots())
+            self._keep(comm)
         engine.close("finalize() was called")
         with engine.lock:
             for comm in list(self._comms):
@@ -373,9 +378,21 @@ def _finalize_at_exit() -> None:
         except Exception as exc:  # noqa: BLE001 - report, but let the interpreter exit
             sys.stderr.write(f"mcrdl: finalize at exit failed: {exc}\n")
     if _unhealthy and "mpi4py.MPI" in sys.modules:
-        # After failures (a dead peer, a timeout) MPI_Finalize, which runs after this, can
-        # wait forever for the lost rank: end the process if it has not exited by then.
+        # After failures (a dead peer, a timeout) MPI_Finalize, which runs after this (or in
+        # linger), can wait forever for the lost rank: end the process if it has not exited
+        # by then.
         threading.Thread(target=_exit_later, name="mcrdl-exit-watchdog", daemon=True).start()
+    # No thread may wake inside a backend while the interpreter finalizes.
+    linger(before=_finalize_mpi)
+
+
+def _finalize_mpi() -> None:
+    """Finalize MPI now, not after the interpreter (as mpi4py would): a peer process ends
+    only after MPI_Finalize, which waits for every rank, so a rank waiting in ``linger`` for
+    a peer to end would otherwise wait until the backend's timeout."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
 
 
 def _exit_later() -> None:

@@ -49,11 +49,18 @@ class Capabilities:
         devices: where its buffers may live (``"cpu"``, ``"cuda"``).
         cancel: whether an issued request can be cancelled.
         stream_ordered: whether it orders work on a device stream (GPU backends).
+        in_order: whether a group's issued work runs one operation at a time, in issue order
+            (a device stream, a worker thread): nothing behind an operation that never
+            finishes ever runs. Stream-ordered backends set it too.
         self_progressing: whether it completes work on threads of its own (gloo), so that a
             poller must yield the CPU to it instead of spinning; False where the caller's polls
             are what moves the data (MPI).
         blocking_wait: whether ``block()`` can wait for one request without the engine's
             lock, which beats polling when that request is all that is in flight.
+        waits_in_threads: whether some of its operations are seen to finish only by blocking
+            in them, so that each one in flight holds a thread of this process
+            (``Backend.thread_held``): one that no peer matches holds it until the peer process
+            exits and its connections close.
         blocking_calls: whether its ``start_*`` calls block until the peers arrive; the
             runtime then runs each group's calls on a thread of its own
             (``backends._threaded``), since the engine never blocks in a backend.
@@ -65,8 +72,10 @@ class Capabilities:
     devices: frozenset[str] = frozenset({"cpu"})
     cancel: bool = False
     stream_ordered: bool = False
+    in_order: bool = False
     self_progressing: bool = False
     blocking_wait: bool = False
+    waits_in_threads: bool = False
     blocking_calls: bool = False
 
     def can_reduce(self, op: ReduceOp, dtype: DType) -> bool:
@@ -245,11 +254,18 @@ class Backend(ABC):
         """Try to cancel an issued request; True if it will not complete. Default: cannot."""
         return False
 
-    def abandon(self, group: Any, request: Request) -> None:  # noqa: B027 - optional hook
-        """The engine gave up on ``request`` (timed out, aborted, its communicator broke),
-        could not cancel it, and is about to free ``group`` or close: keep whatever the
-        request may still need for the rest of the process. Default: nothing (the engine
-        keeps the request and the memory it reads and writes)."""
+    def abandon(self, group: Any) -> None:  # noqa: B027 - optional hook
+        """``group`` is about to be freed (or the backend closed) while work on it may still
+        run, here or at peers: the engine gave up on an operation it could not cancel, or
+        the communicator broke. Keep whatever that work needs for the rest of the process,
+        so that neither this rank nor its peers block or fail on a torn-down group. Default:
+        nothing (the engine keeps the requests and the memory they use)."""
+
+    def thread_held(self, request: Request) -> Any:
+        """If ``request`` holds a thread of this process blocked in the backend on its behalf
+        (``capabilities.waits_in_threads``), a ``threading.Event`` set once it no longer does;
+        otherwise None (the default)."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release everything; the runtime calls it once, after the engine has drained."""

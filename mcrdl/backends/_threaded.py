@@ -138,7 +138,8 @@ class ThreadedBackend(Backend):
         self.name = inner.name  # type: ignore[misc]
         self._threads = threads or RealThreads()
         self.capabilities: Capabilities = replace(
-            inner.capabilities, blocking_calls=False, self_progressing=True, blocking_wait=False
+            inner.capabilities, blocking_calls=False, self_progressing=True, blocking_wait=False,
+            in_order=True,
         )
         self._groups: list[_ThreadedGroup] = []
         self._world = self._wrap(inner.world())

@@ -3,8 +3,12 @@
 Quirks beyond the contract:
 - Process groups are made from the runtime's store under a prefix per communicator, by the
   members alone: no world-wide ``new_group`` call, no default group, nothing global touched.
-  Each binds its sockets to the bootstrap's host (loopback on one host). Devices connect
-  lazily, so groups made in different orders on different ranks cannot deadlock.
+  Each binds its sockets to the bootstrap's host (loopback on one host), and connects to
+  every member while it is made (group creation is collective anyway: members make their
+  groups in the same order). Lazy connection was rejected: a send connects in the caller's
+  thread, and blocked for minutes in ``start_send`` when its peer had broken the
+  communicator and never touched the group again (rule 1 of DESIGN.md: never block in a
+  backend).
 - Collectives run on gloo's own threads (``self_progressing``): pollers must yield the CPU to
   them. Completion is ``Work.is_completed()``; a failed Work reports through ``Work.wait()``.
 - send, recv and reduce_scatter Work never report completion until ``wait()`` is called, and
@@ -133,6 +137,7 @@ class GlooBackend(Backend):
         cancel=False,
         self_progressing=True,
         blocking_wait=True,
+        waits_in_threads=True,
     )
 
     @classmethod
@@ -172,7 +177,7 @@ class GlooBackend(Backend):
 
     def _make(self, tag: str, rank: int, size: int) -> _GlooGroup:
         opts = self._PG._Options()  # type: ignore[attr-defined]
-        opts._devices = [self._PG.create_device(hostname=self._host, lazy_init=True)]
+        opts._devices = [self._PG.create_device(hostname=self._host, lazy_init=False)]
         opts._threads = 2
         opts._timeout = self._timeout
         store = self._dist.PrefixStore(f"mcrdl/{tag}", self._store)  # type: ignore[attr-defined]
@@ -189,10 +194,12 @@ class GlooBackend(Backend):
     def free_group(self, group: _GlooGroup) -> None:
         group.pg = None
 
-    def abandon(self, group: _GlooGroup, request: Request) -> None:
+    def abandon(self, group: _GlooGroup) -> None:
         """Keep ``group``'s process group for the rest of the process: destroying it joins
-        gloo's threads, which wait in the abandoned collective until gloo's own timeout (a
-        freed group blocked ``close()`` until the peer process exited)."""
+        gloo's threads, which wait in an abandoned collective until gloo's own timeout (a
+        freed group blocked ``close()`` until the peer process exited), and closes the
+        connections on which peers may still wait (they saw "connection closed" instead of
+        the cause that broke the communicator)."""
         if group.pg is not None:
             # A reference nobody ever drops: a module-level list is emptied at interpreter
             # exit, and the exit then blocked until the peer process ended (8 s in a probe);
@@ -300,6 +307,11 @@ class GlooBackend(Backend):
                 else:
                     out.append((i, None))
         return out
+
+    def thread_held(self, request: Request) -> Any:
+        if type(request) is _Waited and not request.done:
+            return request.event
+        return None
 
     def block(self, request: Request, timeout: float) -> bool:
         if type(request) is _Waited:

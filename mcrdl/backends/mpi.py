@@ -41,6 +41,8 @@ _INTS = frozenset({DType.UINT8, DType.INT8, DType.INT16, DType.INT32, DType.INT6
 _REALS = frozenset({DType.FLOAT32, DType.FLOAT64})
 _COMPLEX = frozenset({DType.COMPLEX64, DType.COMPLEX128})
 _HALVES = frozenset({DType.FLOAT16, DType.BFLOAT16})
+#: Communicators of broken groups, never freed (``MPIBackend.abandon``).
+_KEPT: list[tuple[Any, Any]] = []
 
 
 class _MPIGroup:
@@ -200,6 +202,16 @@ class MPIBackend(Backend):
         group.Free()
         return _MPIGroup(comm)
 
+    def abandon(self, group: _MPIGroup) -> None:
+        """Never free ``group``'s communicators: MPICH releases a freed communicator's
+        context id, and a communicator made later may get it again; a message that an
+        abandoned operation of a peer sent on the old one (a zombie collective whose match
+        never came) would then be matched by an operation of the new one, and deliver the
+        wrong data."""
+        if group.comm is not None:
+            _KEPT.append((group.comm, group.seg_comm))
+            group.comm = group.seg_comm = None
+
     def free_group(self, group: _MPIGroup) -> None:
         if group.comm is not None:
             group.comm.Free()
@@ -220,14 +232,12 @@ class MPIBackend(Backend):
             return self._half[(dtype, op)]
         return self._bool_ops[op]
 
-    def _mem(self, buf: Buffer) -> Any:
-        """``buf``'s memory as mpi4py takes it: a tensor by address (its ``.numpy()`` view
-        costs 0.7 µs more, the tensor itself 5-20 µs more), an array as itself."""
-        return self._fromaddress(buf.addr, buf.nbytes) if buf.is_torch else buf.obj
-
     def _msg(self, buf: Buffer) -> list[Any]:
-        """mpi4py's message spec for ``buf``: its memory and its datatype."""
-        return [self._mem(buf), self._types[buf.dtype]]
+        """mpi4py's message spec for ``buf``: its memory and its datatype. A tensor goes by
+        address (its ``.numpy()`` view costs 0.7 µs more, the tensor itself 5-20 µs more),
+        an array as itself."""
+        mem = self._fromaddress(buf.addr, buf.nbytes) if buf.is_torch else buf.obj
+        return [mem, self._types[buf.dtype]]
 
     def start_send(self, group: _MPIGroup, buf: Buffer, dst: int, tag: int) -> Request:
         return group.comm.Isend(self._msg(buf), dst, tag)

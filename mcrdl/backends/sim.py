@@ -52,6 +52,7 @@ def sim_capabilities(semantics: str) -> Capabilities:
         reductions={ReduceOp.SUM: _NUMERIC, ReduceOp.PROD: _NUMERIC,
                     ReduceOp.MIN: ordered, ReduceOp.MAX: ordered},
         stream_ordered=semantics == "nccl",
+        in_order=semantics == "nccl",
         blocking_calls=semantics == "blocking",
     )
 

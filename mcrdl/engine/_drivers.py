@@ -19,8 +19,8 @@ flight: its data moves only inside polls, and sleeping doubled a 64 MiB allreduc
 
 Before any of that, a waiter on the only unfinished operation of a backend that moves data
 only while polled (MPI) spins on that request with direct tests (``Engine.spin_lone``): a
-test costs ~0.2 µs where a poll of every track costs ~0.7, and it took a small allreduce's
-``.wait()`` from 5.0 to 3.4 µs over raw MPI. A lone gloo operation is instead waited for
+test costs ~0.2 µs where a poll of every track costs ~0.7, most of a small MPI operation's
+wait (docs/performance.md has the figures). A lone gloo operation is instead waited for
 blocking in gloo after ``block_seconds`` (at once from ``block_bytes``): by ``wait()`` until
 it ends; by ``await`` in slices of at most 1 ms in the loop's own thread, then, after
 ``await_block_seconds``, through the background thread. ``benchmarks/overhead.py`` measures

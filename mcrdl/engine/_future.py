@@ -44,7 +44,10 @@ class CommFuture:
 
     The descriptor (set by the front before ``Engine.submit``):
         kind: the operation (``"allreduce"``), seq: its number on its communicator,
-        lane: where it is issued, start and args: ``start(*args)`` issues it and returns the
+        lane: where it is issued, stream: None for a collective (matched by its position in
+        the lane), ``(peer, tag, sends)`` for a send or receive (matched by its position
+        among those of the same peer, tag and direction), start and args: ``start(*args)``
+        issues it and returns the
         backend's request, reads and writes: the byte ranges it touches, nbytes: what it
         moves, finish: run on success before it resolves (an emulated AVG's division),
         hold: what else must stay alive while the backend may use it (the caller's objects it
@@ -60,8 +63,10 @@ class CommFuture:
     - ``_deps_left`` counts unfinished dependencies; the engine issues the operation only when
       it is 0 and the operation is the oldest unissued one of its lane.
     - ``_dependants`` lists the futures that counted this one in their ``_deps_left``.
-    - ``_route`` is set while an operation whose lane is chosen late (``Engine.submit_routed``)
-      waits for its dependencies.
+    - ``_route`` is set while an operation whose lane is chosen late (``Engine.submit``'s
+      ``route``) waits for its dependencies.
+    - ``index`` is its position among its lane's collectives (or its stream's operations),
+      from 1, the same on every member: the peers match by it (set at submission).
     """
 
     __slots__ = (
@@ -69,6 +74,7 @@ class CommFuture:
         "kind",
         "seq",
         "lane",
+        "stream",
         "start",
         "args",
         "reads",
@@ -86,6 +92,7 @@ class CommFuture:
         "_dependants",
         "_request",
         "_route",
+        "index",
         "t_submit",
         "t_issue",
         "t_done",
@@ -93,6 +100,7 @@ class CommFuture:
 
     # Set when they come to exist: by submit, at issue, at the end.
     _engine: Engine
+    index: int
     _error: BaseException | None
     _request: Any
     t_submit: float
@@ -111,10 +119,12 @@ class CommFuture:
         nbytes: int,
         finish: Callable[[CommFuture], None] | None = None,
         hold: Any = None,
+        stream: Any = None,
     ) -> None:
         self.kind = kind
         self.seq = seq
         self.lane = lane
+        self.stream = stream
         self.start = start
         self.args = args
         self.reads = reads
@@ -212,7 +222,9 @@ class CommFuture:
             engine = self._engine
             if not engine.spin_lone(self):
                 _wait(engine, self, timeout)
-        return self.result()
+        if self._state == DONE:
+            return self._result
+        return self.result()  # raises what failed it
 
     def __await__(self) -> Generator[Any, None, Any]:
         # Cancelling the awaiting task stops the waiting, never the operation: its peers

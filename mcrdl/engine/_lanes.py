@@ -11,7 +11,13 @@ if TYPE_CHECKING:
     from ..backends import Backend
     from ._future import CommFuture
 
-__all__ = ["CommState", "Lane", "OpRecord", "flight_record"]
+__all__ = ["CommState", "Lane", "OpRecord", "Stops", "flight_record"]
+
+#: Where a member stopped issuing on a broken communicator: per lane (by its ``key``), the
+#: index of the first collective it did not issue, and per stream ``(peer, tag, sends)`` the
+#: index of the first operation of that stream it did not issue (a stream it never used:
+#: absent, meaning 1). Plain data: it travels between ranks.
+Stops = dict[str, tuple[int, dict[tuple[int, int, bool], int]]]
 
 #: How many finished operations each lane remembers for the flight recorder.
 HISTORY = 64
@@ -44,13 +50,23 @@ class CommState:
     A failure the backend reports for an issued operation (a truncated receive) is that
     operation's own: its peers matched it, and the communicator stays in step.
 
+    Precisely: only what some member will never issue fails. Every operation has an
+    ``index``, its position among the lane's collectives (or among its stream's sends or
+    receives), the same on every member. A member that breaks the communicator, or hears of
+    its breaking, stops issuing on it and publishes its *stops*: per lane, the index of the
+    first collective it did not issue, and per stream the same. An operation it issued
+    before stopping still runs, and finishes wherever every member issued it (a ``split``'s
+    allgather that completed on the other members must not fail here); one at or past a
+    member's stop fails, since that member will never match it.
+
     Invariants:
     - ``lanes`` are every lane of the communicator, its debug lane included.
     - ``broken`` is None, or the first cause, and never changes back.
     - ``members`` are the world ranks of its members, in its rank order (whom to tell).
+    - ``stops`` maps a member's rank here to its stops (`Stops`), once it has stopped.
     """
 
-    __slots__ = ("name", "rank", "size", "members", "lanes", "broken")
+    __slots__ = ("name", "rank", "size", "members", "lanes", "broken", "stops")
 
     def __init__(self, name: str, rank: int, size: int, members: tuple[int, ...]) -> None:
         self.name = name
@@ -59,6 +75,7 @@ class CommState:
         self.members = members
         self.lanes: list[Lane] = []
         self.broken: str | None = None
+        self.stops: dict[int, Stops] = {}
 
     def __repr__(self) -> str:
         state = f" broken: {self.broken}" if self.broken is not None else ""
@@ -85,6 +102,9 @@ class Lane:
         "group",
         "comm",
         "comm_name",
+        "key",
+        "submitted",
+        "streams",
         "rank",
         "size",
         "pending",
@@ -92,6 +112,7 @@ class Lane:
         "track",
         "blocking",
         "spins_alone",
+        "in_order",
     )
 
     def __init__(self, backend: Backend, group: Any, comm: CommState, name: str) -> None:
@@ -100,6 +121,12 @@ class Lane:
         self.group = group
         self.comm = comm
         self.comm_name = name
+        #: The lane's name on every member (``backend:communicator``).
+        self.key = f"{self.backend_name}:{name}"
+        #: Collectives submitted on the lane (the last one's index).
+        self.submitted = 0
+        #: Sends and receives submitted on the lane, per stream (the last one's index).
+        self.streams: dict[tuple[int, int, bool], int] = {}
         self.rank: int = group.rank
         self.size: int = group.size
         self.pending: deque[CommFuture] = deque()
@@ -113,6 +140,9 @@ class Lane:
         #: Whether a waiter may spin on a lone request of this lane (Engine.spin_lone): its
         #: backend moves data only while polled, and has no threads of its own to starve.
         self.spins_alone: bool = not backend.capabilities.self_progressing
+        #: Whether the lane's issued work runs one at a time in issue order (see
+        #: Capabilities.in_order): what is behind an operation that never runs never runs.
+        self.in_order: bool = backend.capabilities.in_order
 
     def records(self) -> list[OpRecord]:
         """The flight record: the last finished operations of this lane, oldest first."""

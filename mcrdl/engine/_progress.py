@@ -47,7 +47,7 @@ from . import _drivers
 from ._future import CANCELLED, DONE, FAILED, ISSUED, PENDING, STATE_NAMES, CommFuture
 from ._future import report_callback_error
 from ._hazards import HazardIndex
-from ._lanes import CommState, Lane, flight_record
+from ._lanes import CommState, Lane, Stops, flight_record
 from ._tracks import Track
 
 if TYPE_CHECKING:
@@ -71,11 +71,85 @@ _NOT_AS_ISSUED = (CommTimeoutError, CommAbortedError, RuntimeFinalizedError,
 #: read the same fingerprints), so the members stay in step.
 _IN_STEP = (CommBrokenError, DesyncError)
 
-#: What zombies leave behind when the engine closes with them unfinished: their requests and
-#: the memory their backends may still use, kept for the rest of the process.
-_ABANDONED: list[tuple[Any, Any]] = []
+#: Zombies left unfinished when their engine closed, with the monotonic time by which their
+#: backend gives up on them: their requests and the memory their backends may still use are
+#: kept for the rest of the process.
+_ABANDONED: list[tuple[CommFuture, float]] = []
+#: World ranks of the peers that, when an engine closed, had a send or receive toward this
+#: rank that this rank never matched, on a backend that holds a thread for it (`linger`).
+_WAITED_BY: set[int] = set()
+
+
+def linger(before: Callable[[], None] = lambda: None) -> None:
+    """Before the interpreter finalizes: wait until no abandoned operation holds a thread of
+    this process blocked in its backend, or its backend's own timeout has passed; ``before``
+    runs first if there is anything to wait for.
+
+    Such a thread (gloo's ``Work.wait()`` for a send or receive no peer will match) wakes when
+    the peer process exits and its connections close. If that happens while this interpreter
+    finalizes, CPython before 3.14 ends the thread inside C++ and the process aborts
+    ("terminate called without an active exception"). A peer with a lower world rank that
+    itself waits for this rank (it has a send or receive toward this rank that this rank never
+    matched) exits only after this process does, so it is not waited for: ordering by world
+    rank, the waits cannot form a cycle.
+    """
+    waits = []
+    for fut, limit in _ABANDONED:
+        event = fut.lane.backend.thread_held(fut._request)
+        if event is None:
+            continue
+        comm = fut.lane.comm
+        if fut.stream is not None:
+            peer = comm.members[fut.stream[0]]
+            if peer < comm.members[comm.rank] and peer in _WAITED_BY:
+                continue
+        waits.append((limit, event))
+    if waits:
+        before()
+    for limit, event in waits:
+        event.wait(max(0.0, limit - time.monotonic()))
+
+
+def _waited_by(comm: CommState) -> list[int]:
+    """World ranks of the members of the broken ``comm`` that have a send or receive toward
+    this rank that this rank never issued the match of, on a lane whose backend holds a thread
+    for it (known from the stops they told)."""
+    me = comm.rank
+    out = []
+    for peer, stops in comm.stops.items():
+        for lane in comm.lanes:
+            theirs = stops.get(lane.key)
+            if (peer != me and theirs is not None
+                    and lane.backend.capabilities.waits_in_threads
+                    and any(dest == me and n - 1 > lane.streams.get((peer, tag, not sends), 0)
+                            for (dest, tag, sends), n in theirs[1].items())):
+                out.append(comm.members[peer])
+                break
+    return out
 
 Observer = Callable[[CommFuture, tuple[CommFuture, ...]], None]
+
+
+def _unmatched(fut: CommFuture, known: dict[int, Stops]) -> bool:
+    """Whether a member whose stops are ``known`` will never match ``fut``: a collective at or
+    past any member's stop on its lane; a send or receive at or past its peer's stop on the
+    matching stream (the peer's receives from here, or sends to here, with that tag)."""
+    key = fut.lane.key
+    if fut.stream is None:
+        for stops in known.values():
+            lane = stops.get(key)
+            if fut.index >= (lane[0] if lane is not None else 1):
+                return True
+        return False
+    mine = known.get(fut.lane.rank, {}).get(key)  # this rank stopped it (an in-order lane)
+    if mine is not None and fut.index >= mine[1].get(fut.stream, 1 << 62):
+        return True
+    peer, tag, sends = fut.stream
+    theirs = known.get(peer)
+    if theirs is None:
+        return False  # not known yet: it tells when it stops
+    lane = theirs.get(key)
+    return fut.index >= (lane[1].get((fut.lane.rank, tag, not sends), 1) if lane else 1)
 
 
 @dataclass(frozen=True)
@@ -153,16 +227,17 @@ class Engine:
         self._on_timeout = on_timeout
         self._next_check = 0.0
         self._abort_reason: str | None = None
-        #: Breaks that peers told of, not yet applied (filled from any thread).
-        self._told: deque[tuple[str, str]] = deque()
-        #: Breaks told of communicators this rank has not made yet (a peer may break one
-        #: while this rank is still making it): applied when it is made.
-        self._told_early: dict[str, str] = {}
-        #: Breaks of this rank's own making, to tell the peers of once the lock is released.
-        self._to_tell: list[tuple[CommState, str]] = []
-        #: Tells a break's peers (the runtime's notices): ``on_break(comm, cause)``, called
-        #: without the lock; None where nobody needs telling.
-        self.on_break: Callable[[CommState, str], None] | None = None
+        #: Peers' stops on broken communicators, not yet applied (filled from any thread):
+        #: (communicator, cause, the peer's rank there, its stops).
+        self._told: deque[tuple[str, str, int, Stops]] = deque()
+        #: Those of communicators this rank has not made yet (a peer may break one while
+        #: this rank is still making it): applied when it is made.
+        self._told_early: dict[str, list[tuple[str, int, Stops]]] = {}
+        #: This rank's stops, to tell the peers of once the lock is released.
+        self._to_tell: list[tuple[CommState, str, Stops]] = []
+        #: Tells a break's peers (the runtime's notices): ``on_break(comm, cause, stops)``,
+        #: called without the lock; None where nobody needs telling.
+        self.on_break: Callable[[CommState, str, Stops], None] | None = None
         #: Number of threads or tasks driving progress in a wait right now.
         self.drivers = 0
         #: When the caller last submitted or stopped waiting (the background thread keeps out
@@ -198,9 +273,8 @@ class Engine:
                 state = self._comms.get(name)
                 if state is None:
                     state = self._comms[name] = CommState(name, rank, size, tuple(members))
-                    early = self._told_early.pop(name, None)
-                    if early is not None:  # a peer broke it before it existed here
-                        state.broken = early
+                    for cause, peer, stops in self._told_early.pop(name, ()):
+                        self._heard(state, cause, peer, stops)  # it broke before it was made
         return state
 
     def lane(self, backend: Backend, group: Any, comm: CommState, suffix: str = "") -> Lane:
@@ -251,46 +325,19 @@ class Engine:
 
     # -- submission ----------------------------------------------------------------------
 
-    def submit(self, fut: CommFuture, after: Iterable[CommFuture] = ()) -> CommFuture:
+    def submit(self, fut: CommFuture, after: Iterable[CommFuture] = (),
+               route: tuple[tuple[Lane, ...], Callable[[CommFuture], None]] | None = None,
+               ) -> CommFuture:
         """Add the operation ``fut`` describes; issue it at once if its lane and its
-        dependencies allow. Returns ``fut``."""
-        if after:
-            after = self._check_after(after)
-        if self._observers:
-            for observer in self._observers:
-                observer(fut, after)  # type: ignore[arg-type]
-        fut._engine = self
-        fut.t_submit = self.last_active = self._clock()
-        lock = self._lock
-        lock.acquire()
-        try:
-            deps = self._admit(fut)
-            lane = fut.lane
-            if lane.comm.broken is not None:
-                self._work.append((fut, self._broken_error(fut)))
-            elif not deps and not after and not lane.pending:
-                self._issue(fut)
-                self._unindexed = fut
-            else:
-                self._enqueue(fut, deps, after)  # type: ignore[arg-type]
-            if self._work:
-                self._run_work()
-        finally:
-            lock.release()
-        self._after_lock()
-        return fut
+        dependencies allow. Returns ``fut``.
 
-    def submit_routed(self, fut: CommFuture, lanes: tuple[Lane, ...],
-                      choose: Callable[[CommFuture], None],
-                      after: Iterable[CommFuture] = ()) -> CommFuture:
-        """Submit an operation whose lane is known only once its dependencies have finished.
-
-        ``fut.lane`` is a placeholder among ``lanes``, the candidates (all of one
-        communicator); ``choose(fut)`` runs when the dependencies are met and sets
-        ``fut.lane``, ``fut.start`` and ``fut.args``. Meanwhile the operation holds its place
-        in every candidate lane, so whichever it goes to, every member issues it at the same
-        position there (rule 2 of DESIGN.md): an alltoallv routed by its agreed total size
-        waits for the exchange that agrees on it without blocking anything submitted before.
+        ``route``: for an operation whose lane is known only once its dependencies have
+        finished, the candidate lanes (all of one communicator; ``fut.lane`` is a
+        placeholder among them) and ``choose(fut)``, which then sets ``fut.lane``,
+        ``fut.start`` and ``fut.args``. Meanwhile the operation holds its place in every
+        candidate lane, so whichever it goes to, every member issues it at the same position
+        there (rule 2 of DESIGN.md): an alltoallv routed by its agreed total size waits for
+        the exchange that agrees on it without blocking anything submitted before.
         """
         if after:
             after = self._check_after(after)
@@ -298,40 +345,56 @@ class Engine:
             for observer in self._observers:
                 observer(fut, after)  # type: ignore[arg-type]
         fut._engine = self
-        fut.t_submit = self.last_active = self._clock()
-        with self._lock:
-            deps = self._admit(fut)
-            if fut.lane.comm.broken is not None:
-                self._work.append((fut, self._broken_error(fut)))
+        fut.t_submit = self.last_active = now = self._clock()
+        lane = fut.lane
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._closed:
+                raise RuntimeFinalizedError(
+                    f"cannot submit {fut.kind}: the runtime was finalized ({self._closed_why})"
+                )
+            # Its position, which its peers match it by (rule 7 needs it when a member stops).
+            stream = fut.stream
+            if route is not None:  # a place in every candidate lane; the chosen one's counts
+                reserved = {}
+                for candidate in route[0]:
+                    candidate.submitted = reserved[candidate] = candidate.submitted + 1
+                route = (*route, reserved)  # type: ignore[assignment]
+            elif stream is None:
+                lane.submitted = fut.index = lane.submitted + 1
             else:
-                fut._route = (lanes, choose)
+                lane.streams[stream] = fut.index = lane.streams.get(stream, 0) + 1
+            self._unfinished += 1
+            hazards = self._hazards
+            last = self._unindexed
+            if last is not None:
+                # The previous operation is still unfinished: its ranges matter now.
+                self._unindexed = None
+                if last.reads or last.writes:
+                    hazards.add(last, last.reads, last.writes)
+            # (the index's dict read directly: a __bool__ call would cost a frame per submit)
+            deps = hazards.conflicts(fut.reads, fut.writes) if hazards._regions else None
+            if deps and self._zombies:
+                self._past_zombies(deps)
+            if lane.comm.broken is not None:
+                self._work.append((fut, self._broken_error(fut)))
+            elif not deps and not after and not lane.pending and route is None:
+                self._issue(fut, now)
+                self._unindexed = fut
+            else:
+                fut._route = route
                 self._enqueue(fut, deps, after)  # type: ignore[arg-type]
             if self._work:
                 self._run_work()
-        self._after_lock()
+        finally:
+            lock.release()
+        if self._due or self._to_tell:
+            self._after_lock()
+        thread = self._thread
+        if thread is not None and thread.deep:
+            thread.wake()
         return fut
-
-    def _admit(self, fut: CommFuture) -> dict[CommFuture, None] | None:
-        """Count ``fut`` in and find the unfinished operations whose bytes it touches."""
-        if self._closed:
-            raise RuntimeFinalizedError(
-                f"cannot submit {fut.kind}: the runtime was finalized ({self._closed_why})"
-            )
-        self._unfinished += 1
-        hazards = self._hazards
-        last = self._unindexed
-        if last is not None:
-            # The previous operation is still unfinished: its ranges matter now.
-            self._unindexed = None
-            if last.reads or last.writes:
-                hazards.add(last, last.reads, last.writes)
-        # (the index's dict read directly: a __bool__ call would cost a frame per submit)
-        if not hazards._regions:
-            return None
-        deps = hazards.conflicts(fut.reads, fut.writes)
-        if deps and self._zombies:
-            self._past_zombies(deps)
-        return deps
 
     def _enqueue(self, fut: CommFuture, deps: dict[CommFuture, None] | None,
                  after: tuple[CommFuture, ...]) -> None:
@@ -343,7 +406,7 @@ class Engine:
                 return  # a dependency failed already: fut fails with it (queued in _work)
         routed = fut._route is not None
         if not deps and not routed and not fut.lane.pending:
-            self._issue(fut)
+            self._issue(fut, self._clock())
             self._unindexed = fut
             return
         if fut.reads or fut.writes:
@@ -411,7 +474,8 @@ class Engine:
 
     # -- issuing and settling (lock held) ------------------------------------------------
 
-    def _issue(self, fut: CommFuture) -> None:
+    def _issue(self, fut: CommFuture, now: float) -> None:
+        """Start ``fut`` (at ``now``); a start that fails fails it."""
         try:
             req = fut.start(*fut.args)  # type: ignore[misc]  # both set until issued
         except Exception as exc:  # a backend refusing at start fails the future, not the process
@@ -421,7 +485,7 @@ class Engine:
             self._work.append((fut, err))
             return
         fut.start = fut.args = None  # what stays alive in flight is hold
-        fut.t_issue = self._clock()
+        fut.t_issue = now
         fut._state = ISSUED
         if req is None:  # finished during the start call
             self._work.append((fut, None))
@@ -441,7 +505,7 @@ class Engine:
                 continue
             if head._deps_left or head._route is not None:
                 return
-            self._issue(head)
+            self._issue(head, self._clock())
             if head._state == PENDING:
                 # Its start failed: the lane waits for that failure to settle (which breaks
                 # the communicator) instead of issuing what follows in its place.
@@ -450,8 +514,7 @@ class Engine:
 
     def _route(self, fut: CommFuture) -> None:
         """``fut``'s dependencies are met: choose its lane, and let the others go on."""
-        lanes, choose = fut._route
-        fut._route = None
+        lanes, choose, reserved = fut._route
         try:
             choose(fut)
         except Exception as exc:  # noqa: BLE001 - fails the operation, not the engine
@@ -459,9 +522,10 @@ class Engine:
                 f"{fut.kind}#{fut.seq}: choosing its backend failed: {exc}")
             if err is not exc:
                 err.__cause__ = exc
-            self._unroute(fut, lanes)
-            self._work.append((fut, err))
+            self._work.append((fut, err))  # (its settle takes it out of the lanes)
             return
+        fut._route = None
+        fut.index = reserved[fut.lane]
         self._unroute(fut, [lane for lane in lanes if lane is not fut.lane])
         self._pump(fut.lane)
 
@@ -554,10 +618,17 @@ class Engine:
                 self._release(fut, error)
             # Break before the lane moves on: issuing the operation behind this one first
             # would let the peers match it in this one's place (rule 7 of DESIGN.md).
-            if (lane.size > 1 and lane.comm.broken is None
+            if (lane.size > 1
                     and (state == PENDING or isinstance(error, _NOT_AS_ISSUED))
                     and not isinstance(error, _IN_STEP)):
-                self._break(lane.comm, f"on rank {lane.rank}, {error}")
+                # Where this rank stops: at an operation that never reached the peers, or
+                # never ran here and holds up the work behind it on an in-order lane (found
+                # out after the break when a worker's start fails late).
+                stops_here = (state == PENDING or isinstance(error, StartError)
+                              or lane.in_order)
+                if lane.comm.broken is None or stops_here:
+                    self._break(lane.comm, f"on rank {lane.rank}, {error}",
+                                fut if stops_here else None)
         if state == PENDING:
             route = fut._route
             if route is not None:
@@ -597,22 +668,93 @@ class Engine:
 
     # -- breaking a communicator (lock held) ---------------------------------------------
 
-    def _break(self, comm: CommState, cause: str, told: bool = False) -> None:
-        """Break ``comm``: fail everything unfinished on it; tell the peers unless ``told``."""
+    def _break(self, comm: CommState, cause: str, culprit: CommFuture | None = None) -> None:
+        """Break ``comm`` for ``cause``: stop issuing on it (``culprit``, if any, is an
+        operation that will not run here as the peers expect), fail what was not issued,
+        fail what a member that stopped will never match, and tell the peers where this
+        rank stopped."""
+        doomed = [] if culprit is None else [culprit, *self._behind(culprit)]
         if comm.broken is not None:
+            if doomed:  # found out late (a worker's failed start): stop earlier
+                self._stop_earlier(comm, self._stops_of(comm, doomed))
             return
         comm.broken = cause
-        lanes = set(comm.lanes)
+        mine = comm.stops[comm.rank] = self._stops_of(comm, doomed)
         for lane in comm.lanes:
             for fut in lane.pending:
                 if fut._state == PENDING:
                     self._work.append((fut, self._broken_error(fut)))
-        for track in self._track_list:
-            for fut, _ in track.items():
-                if fut.lane in lanes:
-                    self._give_up(fut, self._broken_error(fut))
-        if not told:
-            self._to_tell.append((comm, cause))
+        self._apply_stops(comm)
+        self._to_tell.append((comm, cause, mine))
+
+    def _stop_earlier(self, comm: CommState, stops: Stops) -> None:
+        """This rank's stops on broken ``comm`` are lower than it told: tell again."""
+        old = comm.stops[comm.rank]
+        merged: Stops = {}
+        for key in old.keys() | stops.keys():
+            first_a, streams_a = old.get(key, (1 << 62, {}))
+            first_b, streams_b = stops.get(key, (1 << 62, {}))
+            streams = dict(streams_a)
+            for stream, n in streams_b.items():
+                streams[stream] = min(n, streams.get(stream, n))
+            merged[key] = (min(first_a, first_b), streams)
+        if merged != old:
+            comm.stops[comm.rank] = merged
+            self._apply_stops(comm)
+            self._to_tell.append((comm, comm.broken or "", merged))
+
+    def _heard(self, comm: CommState, cause: str, peer: int, stops: Stops) -> None:
+        """Member ``peer`` of ``comm`` stopped at ``stops``: break here too (for its cause,
+        if this is the first news), and fail what it will never match."""
+        comm.stops[peer] = stops
+        if comm.broken is None:
+            self._break(comm, cause)
+        else:
+            self._apply_stops(comm)
+
+    def _stops_of(self, comm: CommState, doomed: list[CommFuture]) -> Stops:
+        """Where this rank stops on ``comm``: per lane, the first position it did not issue,
+        or that is ``doomed`` (issued, but it will not run here)."""
+        stops: Stops = {}
+        for lane in comm.lanes:
+            first = lane.submitted + 1
+            streams = {key: n + 1 for key, n in lane.streams.items()}
+            unissued = [f for f in lane.pending if f._state == PENDING]
+            unissued.extend(doomed)
+            for fut in unissued:
+                route = fut._route
+                if route is not None:  # its place here, routed here or not
+                    if lane in route[2]:
+                        first = min(first, route[2][lane])
+                elif fut.lane is lane:
+                    if fut.stream is None:
+                        first = min(first, fut.index)
+                    else:
+                        streams[fut.stream] = min(streams[fut.stream], fut.index)
+            stops[lane.key] = (first, streams)
+        return stops
+
+    @staticmethod
+    def _behind(fut: CommFuture) -> list[CommFuture]:
+        """What ``fut``'s lane issued after it and still runs: if the lane runs its work in
+        order (a stream, a worker thread), none of it runs unless ``fut`` does."""
+        lane = fut.lane
+        if not lane.in_order:
+            return []
+        return [f for f, _ in lane.track.items() if f.lane is lane and f.seq > fut.seq]
+
+    def _apply_stops(self, comm: CommState) -> None:
+        """Give up the operations in flight on ``comm`` that a member that stopped will never
+        match; the others run on (every member issued them). On an in-order lane, what waits
+        behind one given up never runs either: this rank stops there too, and says so."""
+        known = comm.stops
+        gone = [f for track in self._track_list for f, _ in track.items()
+                if f.lane.comm is comm and _unmatched(f, known)]
+        wedged = {b: None for f in gone for b in self._behind(f)}
+        for fut in gone:
+            self._give_up(fut, self._broken_error(fut))
+        if wedged:
+            self._stop_earlier(comm, self._stops_of(comm, [f for f in wedged if f not in gone]))
 
     @staticmethod
     def _broken_error(fut: CommFuture) -> CommBrokenError:
@@ -647,15 +789,12 @@ class Engine:
     # -- after the lock ------------------------------------------------------------------
 
     def _after_lock(self) -> None:
-        """What every entry point does once it released the lock: run the callbacks that
-        became due, tell peers of breaks, wake a background thread sleeping deeply."""
+        """What an entry point does once it released the lock, where anything became due:
+        run the callbacks, tell peers of breaks."""
         if self._due:
             self._flush_due()
         if self._to_tell:
             self._tell()
-        thread = self._thread
-        if thread is not None and thread.deep:
-            thread.wake()
 
     def _flush_due(self) -> None:
         with self._lock:  # appended under it: swapping under it loses none
@@ -670,8 +809,8 @@ class Engine:
         with self._lock:
             to_tell, self._to_tell = self._to_tell, []
         if self.on_break is not None:
-            for comm, cause in to_tell:
-                self.on_break(comm, cause)
+            for comm, cause, stops in to_tell:
+                self.on_break(comm, cause, stops)
 
     # -- progress ------------------------------------------------------------------------
 
@@ -816,12 +955,13 @@ class Engine:
         """
         self._abort_reason = reason
 
-    def post_break(self, comm_name: str, cause: str) -> None:
-        """A peer broke ``comm_name`` (for ``cause``): break it here at the next check.
+    def post_break(self, comm_name: str, cause: str, peer: int, stops: Stops) -> None:
+        """Member ``peer`` of ``comm_name`` stopped issuing there at ``stops``, the
+        communicator broken for ``cause``: apply it at the next check.
 
         Safe from any thread, and from a signal handler (it only appends to a deque).
         """
-        self._told.append((comm_name, cause))
+        self._told.append((comm_name, cause, peer, stops))
 
     def check_signals(self) -> None:
         """Apply what arrived from outside since the last check: an abort, breaks that peers
@@ -834,12 +974,12 @@ class Engine:
         if self._told:
             with self._lock:
                 while self._told:
-                    name, cause = self._told.popleft()
+                    name, cause, peer, stops = self._told.popleft()
                     comm = self._comms.get(name)
                     if comm is not None:
-                        self._break(comm, cause, told=True)
+                        self._heard(comm, cause, peer, stops)
                     else:
-                        self._told_early.setdefault(name, cause)
+                        self._told_early.setdefault(name, []).append((cause, peer, stops))
                 self._run_work()
             self._after_lock()
 
@@ -930,9 +1070,12 @@ class Engine:
                 return
             self._closed = True
             self._closed_why = why
-            for fut in self._zombies:
-                _ABANDONED.append((fut._request, fut.hold))
+            limit = time.monotonic() + (self.timeout if self.timeout is not None else 300.0)
+            _ABANDONED.extend((fut, limit) for fut in self._zombies)
             self._zombies.clear()
+            for comm in self._comms.values():
+                if comm.broken is not None:
+                    _WAITED_BY.update(_waited_by(comm))
         if self._thread is not None:
             self._thread.stop()
 

@@ -108,10 +108,11 @@ class _Notices:
         self._rank = rank
         engine.on_break = self.tell
 
-    def tell(self, comm: Any, cause: str) -> None:
+    def tell(self, comm: Any, cause: str, stops: Any) -> None:
         for member in comm.members:
             if member != self._rank:
-                self._world.runtimes[member].engine.post_break(comm.name, cause)
+                self._world.runtimes[member].engine.post_break(comm.name, cause, comm.rank,
+                                                               stops)
         self._world.note_progress()
 
     def close(self) -> None:

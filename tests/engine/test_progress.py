@@ -4,6 +4,10 @@ manual backend, without threads or sleeps."""
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+import time
+
 import pytest
 
 from mcrdl import (
@@ -16,6 +20,7 @@ from mcrdl import (
     RuntimeFinalizedError,
 )
 from mcrdl.engine import CommFuture, Engine
+from mcrdl.engine import _progress as progress
 from tests.engine.support import A, A_HALF, B, Counting, Holds, Uncancellable, finish, submit
 from tests.manual_backend import ManualBackend
 
@@ -275,25 +280,55 @@ def _pair(name="mpi", **kw):
 
 
 def test_an_operation_that_ends_unissued_breaks_its_communicator(engine):
+    """Nothing more is issued on it: what was pending fails, and so does everything later;
+    this rank tells its peers where it stopped on each lane. What it had issued runs on:
+    it finishes wherever every member issued it."""
     mpi, gloo = _pair("mpi"), _pair("gloo")
     told = []
-    engine.on_break = lambda comm, cause: told.append((comm.name, cause))
-    a = submit(engine, mpi, "allreduce", writes=[A])  # issued
-    b = submit(engine, mpi, "allreduce", writes=[A])  # waits for a
-    c = submit(engine, gloo, "allreduce", writes=[B])  # issued, another lane of world
+    engine.on_break = lambda comm, cause, stops: told.append((comm.name, cause, stops))
+    a = submit(engine, mpi, "allreduce", writes=[A])  # issued: index 1 of mpi:world
+    b = submit(engine, mpi, "allreduce", writes=[A])  # waits for a: index 2
+    behind = submit(engine, mpi, "allreduce", writes=[B])  # behind b in the lane: index 3
+    c = submit(engine, gloo, "allreduce", writes=[(0x7000, 0x7008)])  # issued: gloo:world #1
     d = submit(engine, gloo, "allreduce", writes=[(0x9000, 0x9008)], comm="other")
     assert b.cancel() is True and b.cancelled()
     cause = f"on rank 0, allreduce#{b.seq} on lane mpi:world was cancelled"
-    assert told == [("world", cause)]
-    for fut in (a, c):
-        assert fut.state == "FAILED" and isinstance(fut.exception(), CommBrokenError)
-        assert f"communicator world is broken ({cause}); nothing more runs on it" in str(
-            fut.exception())
-    assert d.state == "ISSUED"  # another communicator goes on
+    assert told == [("world", cause, {"mpi:world": (2, {}), "gloo:world": (2, {})})]
+    assert isinstance(behind.exception(), CommBrokenError)
+    assert f"communicator world is broken ({cause}); nothing more runs on it" in str(
+        behind.exception())
+    assert a.state == c.state == d.state == "ISSUED"
     started = len(mpi.started)
     later = submit(engine, mpi, "barrier")
     assert isinstance(later.exception(), CommBrokenError) and len(mpi.started) == started
-    assert told == [("world", cause)]  # told once
+    assert len(told) == 1  # told once
+    finish(engine, mpi, 0)
+    assert a.state == "DONE"
+
+
+def test_what_a_member_that_stopped_will_never_match_fails_and_nothing_else(engine):
+    """Told of a peer's stops, an operation at or past its stop on the lane fails; one
+    before it runs on. Sends and receives are matched per peer, tag and direction."""
+    mpi = _pair()
+    group = mpi.world()
+    lane = engine.lane(mpi, group, engine.comm("world", group.rank, group.size))
+    one = submit(engine, mpi, "allreduce", writes=[A])  # collective index 1
+    two = submit(engine, mpi, "allreduce", writes=[B])  # collective index 2
+
+    def p2p(kind, tag):
+        fut = CommFuture(kind, lane, 0, getattr(mpi, f"start_{kind}"), (kind,), (), (), None,
+                         0, stream=(1, tag, kind == "send"))
+        return engine.submit(fut)
+
+    sent, received = p2p("send", 7), p2p("recv", 7)  # index 1 of each stream
+    engine.post_break("world", "on rank 1, x#9 was cancelled", 1,
+                      {"mpi:world": (2, {(0, 7, False): 2})})  # received 1 send of ours
+    engine.check_signals()
+    assert one.state == "ISSUED" and sent.state == "ISSUED"
+    for fut in (two, received):  # rank 1 never issues its 2nd collective nor sends to us
+        assert "(on rank 1, x#9 was cancelled)" in str(fut.exception())
+    assert engine._comms["world"].stops[0] == {"mpi:world": (3, {(1, 7, True): 2,
+                                                                 (1, 7, False): 2})}
 
 
 def test_a_failure_its_backend_reports_is_the_operations_own(engine):
@@ -308,27 +343,32 @@ def test_a_failure_its_backend_reports_is_the_operations_own(engine):
     dep = submit(engine, mpi, "send", reads=[A], after=[bad])  # cannot be issued
     assert isinstance(dep.exception(), DependencyFailedError)
     assert "recv" in engine._comms["world"].broken
-    assert isinstance(other.exception(), CommBrokenError)
+    assert isinstance(submit(engine, mpi, "barrier").exception(), CommBrokenError)
+    assert other.state == "ISSUED"  # issued before the break: it runs on
 
 
 def test_a_timeout_breaks_its_communicator(clock):
     mpi = _pair()
+    told = []
     engine = Engine(background=False, clock=clock, timeout=5.0)
+    engine.on_break = lambda comm, cause, stops: told.append(cause)
     old = submit(engine, mpi, "allreduce", writes=[A])
     clock.now += 6
-    young = submit(engine, mpi, "allreduce", writes=[B])
     engine.check_deadlines(clock.now)
     assert isinstance(old.exception(), CommTimeoutError)
-    assert isinstance(young.exception(), CommBrokenError)
-    assert "did not finish within 5 s" in str(young.exception())
+    assert len(told) == 1 and "did not finish within 5 s" in told[0]
+    later = submit(engine, mpi, "allreduce", writes=[B])
+    assert "did not finish within 5 s" in str(later.exception())
 
 
-def test_a_break_a_peer_tells_of_fails_everything_there_at_the_next_check(engine):
+def test_a_break_a_peer_tells_of_is_applied_at_the_next_check(engine):
     mpi = _pair()
     a = submit(engine, mpi, "allreduce", writes=[A])
     b = submit(engine, mpi, "allreduce", writes=[A])
-    engine.post_break("world", "on rank 1, allreduce#2 on lane mpi:world was cancelled")
-    engine.post_break("world.1c0", "on rank 1, barrier#1 on lane mpi:world.1c0 was cancelled")
+    engine.post_break("world", "on rank 1, allreduce#2 on lane mpi:world was cancelled", 1,
+                      {"mpi:world": (1, {})})
+    engine.post_break("world.1c0", "on rank 1, barrier#1 on lane mpi:world.1c0 was cancelled",
+                      1, {})
     assert a.state == "ISSUED" and b.state == "PENDING"  # applied at the next check only
     engine.check_signals()
     for fut in (a, b):
@@ -351,11 +391,12 @@ def test_a_zombie_keeps_its_bytes_until_its_backend_is_done_with_them(clock):
     """An issued operation the engine gives up on, which its backend cannot cancel, may
     still write its buffer: an operation on those bytes fails at once instead of racing it,
     until the backend reports the zombie finished."""
-    mpi = _pair(capabilities=None)
+    mpi = _pair()
     mpi.cancel = lambda request: False  # like MPI's collectives
     engine = Engine(background=False, clock=clock)
     zombie = submit(engine, mpi, "allreduce", writes=[A])
-    submit(engine, mpi, "allreduce", writes=[B], after=[zombie]).cancel()  # breaks world
+    engine.post_break("world", "on rank 1, x#1 was cancelled", 1, {})  # it never issued it
+    engine.check_signals()
     assert isinstance(zombie.exception(), CommBrokenError)
     assert engine.stats().zombies == 1 and engine.zombies() == [zombie]
     racer = submit(engine, mpi, "allreduce", reads=[A_HALF], comm="other")
@@ -367,7 +408,8 @@ def test_a_zombie_keeps_its_bytes_until_its_backend_is_done_with_them(clock):
     assert engine.stats().zombies == 0
     # Or the periodic check buries it.
     third = submit(engine, mpi, "allreduce", writes=[(0x5000, 0x5008)], comm="third")
-    submit(engine, mpi, "barrier", comm="third", after=[third]).cancel()
+    engine.post_break("third", "on rank 1, x#1 was cancelled", 1, {})
+    engine.check_signals()
     assert engine.stats().zombies == 1
     third._request.done = True
     clock.now += 1
@@ -380,7 +422,7 @@ def test_a_zombie_keeps_its_bytes_until_its_backend_is_done_with_them(clock):
 
 def _routed(engine, lanes, choose, after=(), writes=()):
     fut = CommFuture("alltoallv", lanes[0], 99, None, (None,), (), tuple(writes), "r", 0)
-    return engine.submit_routed(fut, tuple(lanes), choose, after)
+    return engine.submit(fut, after, (tuple(lanes), choose))
 
 
 def test_a_routed_operation_holds_its_place_in_every_candidate_lane(engine):
@@ -430,3 +472,54 @@ def test_observers_see_every_submission_with_its_descriptor_before_it_is_issued(
     submit(engine, mpi, "barrier")
     assert seen == [("allreduce", "PENDING", ("allreduce",), ()),
                     ("broadcast", "PENDING", ("broadcast",), (first,))]
+
+
+# -- exit: threads held in a backend -------------------------------------------------------
+
+
+class _HoldsThreads(Uncancellable):
+    """Like gloo's sends and receives: each request holds a thread until it ends."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.capabilities = dataclasses.replace(self.capabilities, waits_in_threads=True)
+        self.held = {}
+
+    def thread_held(self, request):
+        return self.held.setdefault(id(request), threading.Event())
+
+
+def test_exit_waits_for_held_threads_but_not_for_a_lower_peer_that_waits_in_turn(monkeypatch):
+    """Rank 1 of 3 abandons a receive from rank 0 and one from rank 2, each holding a thread.
+    Rank 0 told it has a receive from rank 1 that rank 1 never sent: it waits for rank 1 to
+    end, so rank 1 waits only for the thread on rank 2's receive (else both would wait until
+    the timeout); ``before`` runs once, since something is waited for."""
+    monkeypatch.setattr(progress, "_ABANDONED", [])
+    monkeypatch.setattr(progress, "_WAITED_BY", set())
+    backend = _HoldsThreads(rank=1, size=3)
+    engine = Engine(background=False, timeout=5.0)
+    group = backend.world()
+    lane = engine.lane(backend, group, engine.comm("world", 1, 3, (0, 1, 2)))
+
+    def recv(peer):
+        fut = CommFuture("recv", lane, 0, backend.start_recv, ("recv",), (), (), None, 0,
+                         stream=(peer, 0, False))
+        return engine.submit(fut)
+
+    from_0, from_2 = recv(0), recv(2)
+    engine.post_break("world", "on rank 0, x#1 was cancelled", 0,
+                      {lane.key: (1, {(1, 0, False): 2})})  # it sent nothing, awaits one
+    engine.post_break("world", "on rank 0, x#1 was cancelled", 2, {lane.key: (1, {})})
+    engine.check_signals()
+    assert isinstance(from_0.exception(), CommBrokenError)
+    assert isinstance(from_2.exception(), CommBrokenError)
+    engine.close("test")
+    assert progress._WAITED_BY == {0}
+    befores = []
+    threading.Timer(0.2, backend.thread_held(backend.started[1]).set).start()
+    start = time.monotonic()
+    progress.linger(before=lambda: befores.append(1))
+    took = time.monotonic() - start
+    assert 0.15 < took < 2.0, took  # the thread on rank 2's receive, not rank 0's
+    assert befores == [1]
+    assert not backend.thread_held(backend.started[0]).is_set()

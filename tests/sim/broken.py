@@ -20,7 +20,7 @@ class ReadyFirstEngine(Engine):
                 lane.pending.remove(fut)
             elif fut._deps_left == 0:
                 lane.pending.remove(fut)
-                self._issue(fut)
+                self._issue(fut, self._clock())
 
     def _release(self, fut, error):  # type: ignore[no-untyped-def]
         dependants = fut._dependants
@@ -50,5 +50,5 @@ class LaneGoesOnEngine(Engine):
     """Never breaks a communicator: when one rank's operation ends without being issued, its
     lane issues the next one as if nothing happened (what mcrdl did before DESIGN.md's rule 7)."""
 
-    def _break(self, comm, cause, told=False):  # type: ignore[no-untyped-def]
+    def _break(self, comm, cause, culprit=None, issued=False):  # type: ignore[no-untyped-def]
         pass

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import mcrdl
 from mcrdl._select import Selector
 from mcrdl.testing import FAULTS, SimWorld, check_program, programs
+from mcrdl.testing._programs import Fault, Program, Region, Step
 from mcrdl.tuning import Entry, TuningTable
 
 from .broken import LaneGoesOnEngine
@@ -123,6 +124,43 @@ def test_the_peers_next_allreduce_is_never_matched_in_place_of_the_lost_one(how)
     assert zero == ["CommBrokenError", "CommBrokenError"]
     lost = "FutureCancelledError" if how == "cancel" else "DependencyFailedError"
     assert one == [lost, "CommBrokenError"]
+
+
+def test_a_send_its_worker_never_runs_after_a_failed_start_fails_on_the_peer_too():
+    """On a thread-per-lane backend rank 0's allgather fails in its worker, which then runs
+    nothing more: the send queued behind it never happens. Rank 0 broke the communicator at
+    the allgather's failure, before it knew the send would not run either; it tells its
+    peer again when the send fails, and rank 1's receive fails instead of timing out.
+    (Found by ``hypothesis.find`` over programs of every semantics, shrunk from 9 steps.)"""
+    empty = Region(0, 0, 0)  # (nothing to copy: the worker fails both before a poll)
+    program = Program(
+        size=2, splits=(), slots=(("float64", 8), ("float64", 8)),
+        steps=(Step("allgather", (0, 0), "blk", buf=empty, out=Region(1, 0, 0)),
+               Step("sendrecv", (0, 0), "blk", buf=empty, root=0, peer=1)),
+        delays=((0, 0), (0, 0)), mid_waits=(frozenset(), frozenset()),
+        waits=((0, 1), (0, 1)), backends=("blk",), faults=(Fault(0, 0, "start"),))
+    for seed in range(3):
+        check_program(program, seed=seed, backends=SEMANTICS)
+
+
+def test_a_send_queued_behind_a_collective_that_never_runs_fails_on_the_peer_too():
+    """On an in-order lane (NCCL-like: one stream) ranks 0 and 1 queue a send and a receive
+    behind an allreduce that rank 3 never joins: it cancelled what that allreduce depends
+    on. Their allreduce fails, and so do the send and receive stuck behind it, though rank
+    3's stops say nothing about them: each rank stops where its stream is stuck and tells
+    its peers so. (Found by ``hypothesis.find``, shrunk from 6 steps on 4 ranks.)"""
+    empty = Region(0, 0, 0)
+    program = Program(
+        size=4, splits=((None, None, None, 0),), slots=(("float64", 8),),
+        steps=(Step("allreduce", (1, 0), "mpi", buf=empty, op=mcrdl.ReduceOp.SUM),
+               Step("allreduce", (0, 0), "nccl", buf=empty, op=mcrdl.ReduceOp.SUM,
+                    after=(0,)),
+               Step("sendrecv", (0, 0), "nccl", buf=empty, root=0, peer=1)),
+        delays=((0, 0, 0),) * 4, mid_waits=(frozenset(),) * 4,
+        waits=((1, 2), (1, 2), (1,), (0, 1)), backends=("mpi", "nccl"),
+        faults=(Fault(0, 3, "cancel"),))
+    for seed in range(3):
+        check_program(program, seed=seed, backends=SEMANTICS)
 
 
 # -- alltoallv: submission never blocks ------------------------------------------------
