@@ -14,7 +14,7 @@ import numpy as np
 
 from ._alltoallv import Exchanged
 from ._buffers import Buffer, as_buffer, new_buffer
-from ._debug import FIELDS, check, fingerprint
+from ._debug import FIELDS, check, fingerprint, task_id
 from ._errors import CommClosedError, MCRDLError
 from ._types import COLLECTIVES, DType, OpKind, ReduceOp
 from .engine import CommFuture
@@ -193,7 +193,7 @@ class Communicator:
         names = tuple(sorted(self._slots))  # rank-invariant, unlike a selector's order
         self._cseq = cseq = self._cseq + 1
         fp = fingerprint(cseq, kind, dtype, shape, root, op,
-                         -1 if backend is None else names.index(backend))
+                         -1 if backend is None else names.index(backend), task_id())
         dbg = cast("Slot", self._debug)  # (called in debug mode only)
         table = np.empty((self.size, FIELDS), dtype=np.int64)
         name = self.name

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -46,4 +48,34 @@ def test_mismatched_sizes_raise_desync_before_gloo_could_abort(comm):
     x = torch.ones(4 + comm.rank)
     with pytest.raises(mcrdl.DesyncError, match=r"rank 0: allreduce#\d+ float32\[4\]"):
         comm.allreduce(x, backend="gloo").wait()
+    comm.barrier().wait()
+
+
+def _two_tasks(comm, a_first_on):
+    """Tasks A (1s) and B (100s) each allreduce 4 floats; A submits first on the ranks in
+    ``a_first_on``, B on the others. Returns both outcomes."""
+    async def task(value, first):
+        if not first:
+            await asyncio.sleep(0.05)
+        return await comm.allreduce(torch.full((4,), value), backend="mpi")
+
+    async def main():
+        a = asyncio.create_task(task(1.0, comm.rank in a_first_on))
+        b = asyncio.create_task(task(100.0, comm.rank not in a_first_on))
+        return await asyncio.gather(a, b, return_exceptions=True)
+
+    return asyncio.run(main())
+
+
+def test_collectives_of_two_tasks_in_one_order_everywhere_pass_the_check(comm):
+    a, b = _two_tasks(comm, range(comm.size))
+    assert a.tolist() == [comm.size] * 4 and b.tolist() == [100.0 * comm.size] * 4
+
+
+def test_collectives_of_two_tasks_swapped_between_ranks_raise_desync_everywhere(comm):
+    """Rule 8: rank 0's task A submits first, the other ranks' task B. Without the task in
+    the fingerprint, A's allreduce met B's (equal shapes) and every result was 101.0."""
+    for outcome in _two_tasks(comm, {0}):
+        assert isinstance(outcome, mcrdl.DesyncError), outcome
+        assert "from Task-" in str(outcome)
     comm.barrier().wait()
