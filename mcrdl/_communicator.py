@@ -262,7 +262,7 @@ class Communicator:
             raise TypeError(
                 f"out has dtype {o.dtype.value} but buf has {b.dtype.value}; they must match"
             )
-        if o.nbytes and b.nbytes and o.addr < b.addr + b.nbytes and b.addr < o.addr + o.nbytes:
+        if o.nbytes and b.nbytes and o.addr < b.stop and b.addr < o.stop:
             raise ValueError(
                 f"out overlaps buf; {kind.value} cannot run in place: pass a separate out"
             )
@@ -352,8 +352,7 @@ class Communicator:
     ) -> CommFuture:
         """Reduce every member's ``buf`` into every member's ``buf``; resolves to ``buf``."""
         b = as_buffer(buf, "buf", True)
-        if type(op) is not ReduceOp:
-            op = _check_op(op)
+        op = _check_op(op)
         slot, emulate = self._choose(_ALLREDUCE, b.dtype, op, b.nbytes, backend)
         finish = None
         if emulate:
@@ -395,9 +394,10 @@ class Communicator:
             raise ValueError("allgather concatenates along dim 0, but buf is 0-dimensional; "
                              "pass buf.reshape(1)")
         slot, _ = self._choose(_ALLGATHER, b.dtype, None, b.nbytes * self.size, backend)
-        # (rows,) for the common 1-d buffer: slicing a torch.Size costs 0.1-0.2 µs
-        o = self._out(_ALLGATHER, out, b, (shape[0] * self.size,) if len(shape) == 1
-                      else (shape[0] * self.size, *shape[1:]))
+        # A 1-d buffer, the common case, skips slicing its shape: slicing a torch.Size is slow
+        # enough to show in a small allgather's overhead (docs/performance.md).
+        rows = shape[0] * self.size
+        o = self._out(_ALLGATHER, out, b, (rows,) if len(shape) == 1 else (rows, *shape[1:]))
         return self._submit(_ALLGATHER, slot, slot.backend.start_allgather, (slot.group, b, o),
                             b.ranges, o.ranges, o.obj, b.nbytes, after, hold=b.obj)
 
@@ -436,8 +436,7 @@ class Communicator:
     ) -> CommFuture:
         """Reduce members' ``buf``; member i receives chunk i (along dim 0) in ``out``."""
         b = as_buffer(buf, "buf")
-        if type(op) is not ReduceOp:
-            op = _check_op(op)
+        op = _check_op(op)
         rows = self._rows(_REDUCE_SCATTER, b)
         slot, emulate = self._choose(_REDUCE_SCATTER, b.dtype, op, b.nbytes, backend)
         o = self._out(_REDUCE_SCATTER, out, b, (rows // self.size, *b.shape[1:]))

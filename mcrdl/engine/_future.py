@@ -222,9 +222,7 @@ class CommFuture:
             engine = self._engine
             if not engine.spin_lone(self):
                 _wait(engine, self, timeout)
-        if self._state == DONE:
-            return self._result
-        return self.result()  # raises what failed it
+        return self.result()
 
     def __await__(self) -> Generator[Any, None, Any]:
         # Cancelling the awaiting task stops the waiting, never the operation: its peers

@@ -115,14 +115,16 @@ def _waited_by(comm: CommState) -> list[int]:
     this rank that this rank never issued the match of, on a lane whose backend holds a thread
     for it (known from the stops they told)."""
     me = comm.rank
+    lanes = [lane for lane in comm.lanes if lane.backend.capabilities.waits_in_threads]
     out = []
     for peer, stops in comm.stops.items():
-        for lane in comm.lanes:
+        if peer == me:
+            continue
+        for lane in lanes:
             theirs = stops.get(lane.key)
-            if (peer != me and theirs is not None
-                    and lane.backend.capabilities.waits_in_threads
-                    and any(dest == me and n - 1 > lane.streams.get((peer, tag, not sends), 0)
-                            for (dest, tag, sends), n in theirs[1].items())):
+            if theirs is not None and any(
+                    dest == me and n - 1 > lane.streams.get((peer, tag, not sends), 0)
+                    for (dest, tag, sends), n in theirs[1].items()):
                 out.append(comm.members[peer])
                 break
     return out
@@ -676,7 +678,7 @@ class Engine:
         doomed = [] if culprit is None else [culprit, *self._behind(culprit)]
         if comm.broken is not None:
             if doomed:  # found out late (a worker's failed start): stop earlier
-                self._stop_earlier(comm, self._stops_of(comm, doomed))
+                self._stop_earlier(comm, doomed)
             return
         comm.broken = cause
         mine = comm.stops[comm.rank] = self._stops_of(comm, doomed)
@@ -687,21 +689,15 @@ class Engine:
         self._apply_stops(comm)
         self._to_tell.append((comm, cause, mine))
 
-    def _stop_earlier(self, comm: CommState, stops: Stops) -> None:
-        """This rank's stops on broken ``comm`` are lower than it told: tell again."""
-        old = comm.stops[comm.rank]
-        merged: Stops = {}
-        for key in old.keys() | stops.keys():
-            first_a, streams_a = old.get(key, (1 << 62, {}))
-            first_b, streams_b = stops.get(key, (1 << 62, {}))
-            streams = dict(streams_a)
-            for stream, n in streams_b.items():
-                streams[stream] = min(n, streams.get(stream, n))
-            merged[key] = (min(first_a, first_b), streams)
-        if merged != old:
-            comm.stops[comm.rank] = merged
+    def _stop_earlier(self, comm: CommState, doomed: list[CommFuture]) -> None:
+        """``doomed`` will not run here either, found out after this rank told its stops on
+        the broken ``comm``: lower them, and tell again if they moved."""
+        told = comm.stops[comm.rank]
+        stops = self._stops_of(comm, doomed, told)
+        if stops != told:
+            comm.stops[comm.rank] = stops
             self._apply_stops(comm)
-            self._to_tell.append((comm, comm.broken or "", merged))
+            self._to_tell.append((comm, comm.broken or "", stops))
 
     def _heard(self, comm: CommState, cause: str, peer: int, stops: Stops) -> None:
         """Member ``peer`` of ``comm`` stopped at ``stops``: break here too (for its cause,
@@ -712,13 +708,19 @@ class Engine:
         else:
             self._apply_stops(comm)
 
-    def _stops_of(self, comm: CommState, doomed: list[CommFuture]) -> Stops:
+    def _stops_of(self, comm: CommState, doomed: list[CommFuture],
+                  told: Stops | None = None) -> Stops:
         """Where this rank stops on ``comm``: per lane, the first position it did not issue,
-        or that is ``doomed`` (issued, but it will not run here)."""
+        or that is ``doomed`` (issued, but it will not run here); never past ``told``, the
+        stops it told already."""
         stops: Stops = {}
         for lane in comm.lanes:
-            first = lane.submitted + 1
-            streams = {key: n + 1 for key, n in lane.streams.items()}
+            base = told.get(lane.key) if told is not None else None
+            if base is None:
+                first = lane.submitted + 1
+                streams = {key: n + 1 for key, n in lane.streams.items()}
+            else:
+                first, streams = base[0], dict(base[1])
             unissued = [f for f in lane.pending if f._state == PENDING]
             unissued.extend(doomed)
             for fut in unissued:
@@ -730,7 +732,8 @@ class Engine:
                     if fut.stream is None:
                         first = min(first, fut.index)
                     else:
-                        streams[fut.stream] = min(streams[fut.stream], fut.index)
+                        streams[fut.stream] = min(streams.get(fut.stream, fut.index),
+                                                  fut.index)
             stops[lane.key] = (first, streams)
         return stops
 
@@ -748,13 +751,13 @@ class Engine:
         match; the others run on (every member issued them). On an in-order lane, what waits
         behind one given up never runs either: this rank stops there too, and says so."""
         known = comm.stops
-        gone = [f for track in self._track_list for f, _ in track.items()
-                if f.lane.comm is comm and _unmatched(f, known)]
-        wedged = {b: None for f in gone for b in self._behind(f)}
+        gone = dict.fromkeys(f for track in self._track_list for f, _ in track.items()
+                             if f.lane.comm is comm and _unmatched(f, known))
+        wedged = [b for f in gone for b in self._behind(f) if b not in gone]
         for fut in gone:
             self._give_up(fut, self._broken_error(fut))
         if wedged:
-            self._stop_earlier(comm, self._stops_of(comm, [f for f in wedged if f not in gone]))
+            self._stop_earlier(comm, wedged)
 
     @staticmethod
     def _broken_error(fut: CommFuture) -> CommBrokenError:
