@@ -180,3 +180,15 @@ def test_public_surface_is_pinned_and_documented():
                 for attr, member in vars(obj).items() if inspect.isclass(obj) else []:
                     if not attr.startswith("_") and inspect.isfunction(member):
                         assert member.__doc__, f"{module.__name__}.{name}.{attr} has no docstring"
+
+
+def test_an_abandoned_mpi_group_is_never_freed(world):
+    """A broken communicator's MPI communicator stays allocated for the rest of the process:
+    freed, its context id could go to a communicator made later, where a message that an
+    abandoned operation sent could be matched (MPIBackend.abandon)."""
+    mpi = world.runtime.backend("mpi")
+    group = mpi.create_group(mpi.world(), [0], "abandoned")
+    comm = group.comm
+    mpi.abandon(group)
+    mpi.free_group(group)
+    assert comm.Get_size() == 1  # still a live communicator (freed, it would be COMM_NULL)

@@ -234,8 +234,8 @@ class MPIBackend(Backend):
 
     def _msg(self, buf: Buffer) -> list[Any]:
         """mpi4py's message spec for ``buf``: its memory and its datatype. A tensor goes by
-        address (its ``.numpy()`` view costs 0.7 µs more, the tensor itself 5-20 µs more),
-        an array as itself."""
+        address: handing mpi4py its ``.numpy()`` view, or the tensor itself, costs more per
+        call than the rest of the spec (docs/performance.md); an array goes as itself."""
         mem = self._fromaddress(buf.addr, buf.nbytes) if buf.is_torch else buf.obj
         return [mem, self._types[buf.dtype]]
 
