@@ -47,7 +47,8 @@ class Exchanged:
     __slots__ = ("exchange", "rank", "tail", "row_bytes", "router", "backend", "counts", "out")
 
     def __init__(self, comm: Communicator, buf: Buffer, send: tuple[int, ...],
-                 tail: tuple[int, ...], backend: str | None, router: Router | None) -> None:
+                 tail: tuple[int, ...], backend: str | None, router: Router | None,
+                 name: str | None = None) -> None:
         size = comm.size
         self.rank = comm.rank
         self.tail = tail
@@ -71,7 +72,8 @@ class Exchanged:
             kind, slot, start,
             (slot.group, new_buffer(mine, False, DType.INT64),
              new_buffer(self.counts, False, DType.INT64)),
-            _NONE, _NONE, self.counts, nbytes, (), hold=mine)
+            _NONE, _NONE, self.counts, nbytes, (), hold=mine,
+            name=None if name is None else f"{name}#counts")
 
     def recv_counts(self) -> tuple[int, ...]:
         """The rows that arrive from each member, once the exchange has finished."""

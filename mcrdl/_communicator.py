@@ -14,10 +14,11 @@ import numpy as np
 
 from ._alltoallv import Exchanged
 from ._buffers import Buffer, as_buffer, new_buffer
-from ._debug import FIELDS, check, fingerprint, task_id
-from ._errors import CommClosedError, MCRDLError
+from ._debug import FIELDS, check, describe, fingerprint, task_id
+from ._errors import CommClosedError, MCRDLError, UnsupportedOperationError
 from ._types import COLLECTIVES, DType, OpKind, ReduceOp
 from .engine import CommFuture
+from .engine._names import MAX_NAME_BYTES, Names
 
 if TYPE_CHECKING:
     from ._runtime import Runtime
@@ -51,19 +52,31 @@ class Communicator:
     collectives in the same order (the rule MPI and NCCL impose); which backend runs each one
     may differ per call and never needs to match anything but itself across ranks.
 
+    Every collective also takes ``name=``: a string its members share (a parameter's name,
+    ``"grad/layer3"``). Named collectives are matched across the members by name, whatever
+    order each member submits them in, so concurrent asyncio tasks may submit them in any
+    order (rule 8 of DESIGN.md; `mcrdl.engine._names`). A name stands for one operation at a
+    time on a communicator: submitting it again before the first has finished raises
+    ValueError. A name that some member never submits fails with DesyncError, naming that
+    member, once the runtime's timeout has passed.
+
     Invariants:
-    - ``_slots`` maps each backend name to that backend's group and lane for this communicator.
+    - ``_slots`` maps each backend name to that backend's group and lane for this communicator;
+      ``_named`` the same for named operations (their own groups and lanes, rule 8).
     - ``_seq`` counts the operations submitted on this communicator (the ``#n`` in reprs).
     - ``_slots[*].lane.comm`` is one engine `CommState` for all of them: when it breaks
       (DESIGN.md rule 7), every operation on this communicator fails with CommBrokenError.
     """
 
     def __init__(self, runtime: Runtime, name: str, slots: dict[str, Slot],
-                 members: tuple[int, ...], debug: Slot | None = None) -> None:
+                 members: tuple[int, ...], debug: Slot | None = None,
+                 named: dict[str, Slot] | None = None) -> None:
         self._runtime = runtime
         self._debug = debug
+        self._named = named or {}
         self._cseq = 0  # collectives submitted (debug mode's fingerprint sequence)
         self._engine = runtime.engine
+        self._names: Names = next(iter(slots.values())).lane.comm.names
         self._selector = runtime.selector
         self.name = name
         #: The world ranks of the members, in this communicator's rank order.
@@ -87,8 +100,9 @@ class Communicator:
         return tuple(self._slots)
 
     def slots(self) -> list[Slot]:
-        """Every slot of this communicator, the debug lane's included."""
-        return [*self._slots.values(), *([self._debug] if self._debug is not None else [])]
+        """Every slot of this communicator, the named and debug lanes' included."""
+        return [*self._slots.values(), *self._named.values(),
+                *([self._debug] if self._debug is not None else [])]
 
     @property
     def runtime(self) -> Runtime:
@@ -160,6 +174,7 @@ class Communicator:
         hold: Any = None,
         route: tuple[tuple[Lane, ...], Any] | None = None,
         stream: tuple[int, int, bool] | None = None,
+        name: str | None = None,
     ) -> CommFuture:
         """Describe the operation as its future and submit it: every operation comes here.
 
@@ -168,32 +183,49 @@ class Communicator:
         the candidate lanes and the chooser of an operation whose backend is decided later
         (``Engine.submit``); ``slot`` is then only a placeholder among them. ``stream``:
         ``(peer, tag, sends)`` for a send or receive (what its peer matches it among).
+        ``name``: the collective's ``name=``, which its members match it by instead of its
+        position (rule 8; it runs on the backend's named lane).
         """
         self._seq = seq = self._seq + 1
+        if name is not None:
+            return self._submit_named(kind, slot, start, args, reads, writes, result, nbytes,
+                                      after, finish, hold, route, name)
         fut = CommFuture(_NAMES[kind], slot.lane, seq, start, args, reads, writes, result,
                          nbytes, finish, hold, stream)
         if self._debug is not None and kind in COLLECTIVES:
             after = self._checked(kind, None if route else slot.backend.name, args, after)
         return self._engine.submit(fut, after, route)
 
+    def _submit_named(self, kind: OpKind, slot: Slot, start: Any, args: tuple[Any, ...],
+                      reads: tuple[tuple[int, int], ...], writes: tuple[tuple[int, int], ...],
+                      result: Any, nbytes: int, after: Sequence[CommFuture], finish: Any,
+                      hold: Any, route: Any, name: Any) -> CommFuture:
+        """Submit a named collective: on its backend's named lane, placed where the members
+        agree (`mcrdl.engine._names`). Debug mode checks it there: its signature travels
+        with its name, and a different one on another member raises DesyncError."""
+        if type(name) is not str:
+            raise TypeError(f"name must be a str, got {name!r}")
+        if not name or "\0" in name or len(name.encode()) > MAX_NAME_BYTES:
+            raise ValueError(
+                f"name={name[:60]!r}: a name must be a non-empty string of at most "
+                f"{MAX_NAME_BYTES} UTF-8 bytes without NUL characters"
+            )
+        assert route is None  # (alltoallv refuses a named routed exchange)
+        named = self._named[slot.backend.name]
+        fut = CommFuture(_NAMES[kind], named.lane, self._seq, start, (named.group, *args[1:]),
+                         reads, writes, result, nbytes, finish, hold)
+        fut.name = name
+        sig = self._signature(kind, slot.backend.name, args)
+        return self._engine.submit(fut, after, named=(self._names, sig))
+
     def _checked(self, kind: OpKind, backend: str | None, args: tuple[Any, ...],
                  after: Sequence[CommFuture]) -> list[CommFuture]:
         """Debug mode: ``after`` plus this collective's fingerprint check, which it then
         waits for; ``backend`` is None for one routed by its agreed size (decided later, the
         same on every member by rule 4)."""
-        # What every member must agree on: scatter's input exists on the root only, so its
-        # output describes it; alltoallv's row counts differ per rank, so only its row shape.
-        bufs = [a for a in args[1:] if isinstance(a, Buffer)]
-        buf = bufs[-1] if kind is OpKind.SCATTER and bufs else (bufs[0] if bufs else None)
-        dtype, shape = (buf.dtype, buf.shape) if buf is not None else (None, ())
-        if kind is OpKind.ALLTOALLV:
-            shape = shape[1:]
-        root = next((a for a in args[2:] if type(a) is int), -1)
-        op = next((a for a in args if type(a) is ReduceOp), None)
         names = tuple(sorted(self._slots))  # rank-invariant, unlike a selector's order
         self._cseq = cseq = self._cseq + 1
-        fp = fingerprint(cseq, kind, dtype, shape, root, op,
-                         -1 if backend is None else names.index(backend), task_id())
+        fp = self._fingerprint(cseq, kind, backend, args, task_id())
         dbg = cast("Slot", self._debug)  # (called in debug mode only)
         table = np.empty((self.size, FIELDS), dtype=np.int64)
         name = self.name
@@ -208,6 +240,27 @@ class Communicator:
              new_buffer(table, False, DType.INT64)),
             _NO_RANGES, _NO_RANGES, table, fp.nbytes, finish, mine)
         return [*after, self._engine.submit(check_fut)]
+
+    def _fingerprint(self, seq: int, kind: OpKind, backend: str | None, args: tuple[Any, ...],
+                     task: int = -1) -> np.ndarray:
+        """What every member must agree on about a collective, as `fingerprint` fields."""
+        # Scatter's input exists on the root only, so its output describes it; alltoallv's
+        # row counts differ per rank, so only its row shape.
+        bufs = [a for a in args[1:] if isinstance(a, Buffer)]
+        buf = bufs[-1] if kind is OpKind.SCATTER and bufs else (bufs[0] if bufs else None)
+        dtype, shape = (buf.dtype, buf.shape) if buf is not None else (None, ())
+        if kind is OpKind.ALLTOALLV:
+            shape = shape[1:]
+        root = next((a for a in args[2:] if type(a) is int), -1)
+        op = next((a for a in args if type(a) is ReduceOp), None)
+        names = tuple(sorted(self._slots))
+        return fingerprint(seq, kind, dtype, shape, root, op,
+                           -1 if backend is None else names.index(backend), task)
+
+    def _signature(self, kind: OpKind, backend: str, args: tuple[Any, ...]) -> str:
+        """A named collective's signature: what its members must agree on, as text."""
+        return describe(self._fingerprint(0, kind, backend, args), sorted(self._slots),
+                        seq=False)
 
     def _rank_arg(self, name: str, value: Any) -> int:
         if type(value) is not int and not isinstance(value, (int, np.integer)):
@@ -315,7 +368,7 @@ class Communicator:
 
     def broadcast(
         self, buf: Any, root: int = 0, *, backend: str | None = None,
-        after: Sequence[CommFuture] = (),
+        after: Sequence[CommFuture] = (), name: str | None = None,
     ) -> CommFuture:
         """Copy ``root``'s ``buf`` into every member's ``buf``; resolves to ``buf``."""
         b = as_buffer(buf, "buf", True)
@@ -324,11 +377,11 @@ class Communicator:
         r = b.ranges
         reads, writes = (r, _NO_RANGES) if root == self.rank else (_NO_RANGES, r)
         return self._submit(_BROADCAST, slot, slot.backend.start_broadcast,
-                            (slot.group, b, root), reads, writes, buf, b.nbytes, after)
+                            (slot.group, b, root), reads, writes, buf, b.nbytes, after, name=name)
 
     def reduce(
         self, buf: Any, root: int = 0, op: ReduceOp = _SUM, *, backend: str | None = None,
-        after: Sequence[CommFuture] = (),
+        after: Sequence[CommFuture] = (), name: str | None = None,
     ) -> CommFuture:
         """Reduce every member's ``buf`` into ``root``'s; others' stay as they were."""
         b = as_buffer(buf, "buf", True)
@@ -344,11 +397,11 @@ class Communicator:
         reads, writes = (_NO_RANGES, r) if root == self.rank else (r, _NO_RANGES)
         return self._submit(OpKind.REDUCE, slot, slot.backend.start_reduce,
                             (slot.group, b, root, op), reads, writes, buf, b.nbytes, after,
-                            finish)
+                            finish, name=name)
 
     def allreduce(
         self, buf: Any, op: ReduceOp = _SUM, *, backend: str | None = None,
-        after: Sequence[CommFuture] = (),
+        after: Sequence[CommFuture] = (), name: str | None = None,
     ) -> CommFuture:
         """Reduce every member's ``buf`` into every member's ``buf``; resolves to ``buf``."""
         b = as_buffer(buf, "buf", True)
@@ -359,11 +412,11 @@ class Communicator:
             op = _SUM
             finish = self._avg_finish(buf)
         return self._submit(_ALLREDUCE, slot, slot.backend.start_allreduce, (slot.group, b, op),
-                            _NO_RANGES, b.ranges, buf, b.nbytes, after, finish)
+                            _NO_RANGES, b.ranges, buf, b.nbytes, after, finish, name=name)
 
     def gather(
         self, buf: Any, root: int = 0, out: Any = None, *, backend: str | None = None,
-        after: Sequence[CommFuture] = (),
+        after: Sequence[CommFuture] = (), name: str | None = None,
     ) -> CommFuture:
         """Concatenate members' ``buf`` along dim 0 at ``root``; resolves to None elsewhere.
 
@@ -381,11 +434,12 @@ class Communicator:
         return self._submit(OpKind.GATHER, slot, slot.backend.start_gather,
                             (slot.group, b, o, root), b.ranges,
                             o.ranges if o is not None else _NO_RANGES,
-                            o.obj if o is not None else None, b.nbytes, after, hold=b.obj)
+                            o.obj if o is not None else None, b.nbytes, after, hold=b.obj,
+                            name=name)
 
     def allgather(
         self, buf: Any, out: Any = None, *, backend: str | None = None,
-        after: Sequence[CommFuture] = (),
+        after: Sequence[CommFuture] = (), name: str | None = None,
     ) -> CommFuture:
         """Concatenate members' ``buf`` along dim 0 on every member; resolves to ``out``."""
         b = as_buffer(buf, "buf")
@@ -399,11 +453,11 @@ class Communicator:
         rows = shape[0] * self.size
         o = self._out(_ALLGATHER, out, b, (rows,) if len(shape) == 1 else (rows, *shape[1:]))
         return self._submit(_ALLGATHER, slot, slot.backend.start_allgather, (slot.group, b, o),
-                            b.ranges, o.ranges, o.obj, b.nbytes, after, hold=b.obj)
+                            b.ranges, o.ranges, o.obj, b.nbytes, after, hold=b.obj, name=name)
 
     def scatter(
         self, buf: Any, root: int = 0, out: Any = None, *, backend: str | None = None,
-        after: Sequence[CommFuture] = (),
+        after: Sequence[CommFuture] = (), name: str | None = None,
     ) -> CommFuture:
         """Split ``root``'s ``buf`` along dim 0; member i receives chunk i in ``out``.
 
@@ -428,11 +482,11 @@ class Communicator:
                             (slot.group, send, o, root),
                             send.ranges if send is not None else _NO_RANGES,
                             o.ranges, o.obj, o.nbytes, after,
-                            hold=send.obj if send is not None else None)
+                            hold=send.obj if send is not None else None, name=name)
 
     def reduce_scatter(
         self, buf: Any, op: ReduceOp = _SUM, out: Any = None, *, backend: str | None = None,
-        after: Sequence[CommFuture] = (),
+        after: Sequence[CommFuture] = (), name: str | None = None,
     ) -> CommFuture:
         """Reduce members' ``buf``; member i receives chunk i (along dim 0) in ``out``."""
         b = as_buffer(buf, "buf")
@@ -446,11 +500,11 @@ class Communicator:
             finish = self._avg_finish(o.obj)
         return self._submit(_REDUCE_SCATTER, slot, slot.backend.start_reduce_scatter,
                             (slot.group, b, o, op), b.ranges, o.ranges, o.obj, b.nbytes,
-                            after, finish, b.obj)
+                            after, finish, b.obj, name=name)
 
     def alltoall(
         self, buf: Any, out: Any = None, *, backend: str | None = None,
-        after: Sequence[CommFuture] = (),
+        after: Sequence[CommFuture] = (), name: str | None = None,
     ) -> CommFuture:
         """Chunk j of this rank's ``buf`` (along dim 0) goes to rank j; resolves to ``out``."""
         b = as_buffer(buf, "buf")
@@ -458,7 +512,7 @@ class Communicator:
         slot, _ = self._choose(_ALLTOALL, b.dtype, None, b.nbytes, backend)
         o = self._out(_ALLTOALL, out, b, b.obj.shape)
         return self._submit(_ALLTOALL, slot, slot.backend.start_alltoall, (slot.group, b, o),
-                            b.ranges, o.ranges, o.obj, b.nbytes, after, hold=b.obj)
+                            b.ranges, o.ranges, o.obj, b.nbytes, after, hold=b.obj, name=name)
 
     def alltoallv(
         self,
@@ -469,6 +523,7 @@ class Communicator:
         *,
         backend: str | None = None,
         after: Sequence[CommFuture] = (),
+        name: str | None = None,
     ) -> CommFuture:
         """Rows ``send_counts[j]`` of ``buf`` (in order along dim 0) go to rank j.
 
@@ -504,22 +559,28 @@ class Communicator:
         writes = o.ranges if o is not None else _NO_RANGES
         if type(choice) is not tuple:  # routed by the agreed total, which the exchange gives
             router = cast("Router", choice)
+            if name is not None:
+                raise UnsupportedOperationError(
+                    f"named alltoallv {name!r}: backend='auto' picks its backend by the total "
+                    f"size the members agree on (the tuning table splits alltoallv by size), "
+                    f"which a named operation cannot wait for; pass recv_counts, or backend=..."
+                )
             plan = Exchanged(self, b, send, tail, backend, router)
             lanes = tuple({id(s.lane): s.lane for s, _ in router.choices}.values())
             return self._submit(OpKind.ALLTOALLV, router.choices[0][0], plan.start,
                                 (None, b, send, o, recv),  # the group, once routed
                                 b.ranges, writes, None, b.nbytes, [*after, plan.exchange],
-                                plan.finish, b.obj, (lanes, plan.choose))
+                                plan.finish, b.obj, (lanes, plan.choose), name=name)
         slot = choice[0]
         if recv is not None and o is not None:
             return self._submit(OpKind.ALLTOALLV, slot, slot.backend.start_alltoallv,
                                 (slot.group, b, send, o, recv), b.ranges, writes, o.obj,
-                                b.nbytes, after, hold=b.obj)
-        plan = Exchanged(self, b, send, tail, backend, None)
+                                b.nbytes, after, hold=b.obj, name=name)
+        plan = Exchanged(self, b, send, tail, backend, None, name)
         plan.backend = slot.backend
         return self._submit(OpKind.ALLTOALLV, slot, plan.start, (slot.group, b, send, o, recv),
                             b.ranges, writes, None, b.nbytes, [*after, plan.exchange],
-                            plan.finish, b.obj)
+                            plan.finish, b.obj, name=name)
 
     def _counts(self, name: str, counts: Sequence[int]) -> tuple[int, ...]:
         try:
@@ -535,12 +596,13 @@ class Communicator:
         return values
 
     def barrier(
-        self, *, backend: str | None = None, after: Sequence[CommFuture] = ()
+        self, *, backend: str | None = None, after: Sequence[CommFuture] = (),
+        name: str | None = None,
     ) -> CommFuture:
         """Complete once every member has reached its barrier; resolves to None."""
         slot, _ = self._choose(OpKind.BARRIER, None, None, 0, backend)
         return self._submit(OpKind.BARRIER, slot, slot.backend.start_barrier, (slot.group,),
-                            _NO_RANGES, _NO_RANGES, None, 0, after)
+                            _NO_RANGES, _NO_RANGES, None, 0, after, name=name)
 
     # -- sub-communicators and lifetime --------------------------------------------------
 

@@ -66,11 +66,12 @@ def fingerprint(seq: int, kind: OpKind, dtype: DType | None, shape: Sequence[int
     return np.array(row, dtype=np.int64)
 
 
-def describe(row: np.ndarray, backends: Sequence[str]) -> str:
-    """``allreduce#7 float32[4, 2] op=SUM on mpi`` for a fingerprint row."""
-    seq, kind, dtype, root, op, backend, task, ndim = (int(v) for v in row[:8])
+def describe(row: np.ndarray, backends: Sequence[str], seq: bool = True) -> str:
+    """``allreduce#7 float32[4, 2] op=SUM on mpi`` for a fingerprint row (without ``#7``
+    where not ``seq``)."""
+    number, kind, dtype, root, op, backend, task, ndim = (int(v) for v in row[:8])
     dims = [int(d) for d in row[8:8 + min(ndim, _MAX_DIMS)]]
-    text = f"{_KINDS[kind].value}#{seq}"
+    text = f"{_KINDS[kind].value}#{number}" if seq else _KINDS[kind].value
     if dtype >= 0:
         text += f" {_DTYPES[dtype].value}{dims}"
     if _KINDS[kind] in (OpKind.BROADCAST, OpKind.REDUCE, OpKind.GATHER, OpKind.SCATTER):

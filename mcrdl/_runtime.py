@@ -29,6 +29,7 @@ from ._select import DEFAULT_PREFERENCE, Selector, Slot
 from .backends import Backend, backend_class, known_backends
 from .backends._threaded import ThreadedBackend, Threads
 from .engine import CommFuture, Engine, PollPolicy
+from .engine._names import Names
 from .engine._progress import linger
 from .tuning._table import TuningTable
 
@@ -98,13 +99,9 @@ class Runtime:
             self.notices = Notices(bootstrap.store(), bootstrap.rank, self.engine)
         self._comms: list[Communicator] = []
         worlds = {name: b.world() for name, b in self._backends.items()}
-        debug_group = None
-        if config.debug:
-            world_group = worlds[self.control_backend]
-            debug_group = self._backends[self.control_backend].create_group(
-                world_group, list(range(world_group.size)), "world#debug")
         size = next(iter(worlds.values())).size
-        self.world = self._communicator("world", worlds, tuple(range(size)), debug_group)
+        extra = self._extra_groups(worlds, list(range(size)), "world")
+        self.world = self._communicator("world", worlds, tuple(range(size)), *extra)
 
     def backend(self, name: str) -> Backend:
         """The backend object ``name`` (for benchmarks and tools; users pass names)."""
@@ -115,23 +112,45 @@ class Runtime:
                 f"backend {name!r} is not up in this runtime; up: {', '.join(self._backends)}"
             ) from None
 
+    def _extra_groups(self, parents: dict[str, Any], members: list[int],
+                      name: str) -> tuple[dict[str, Any], Any]:
+        """The groups a communicator needs besides one per backend, made from ``parents``
+        (the parent's groups, or the worlds) in name order: one more per backend for named
+        operations (rule 8: they never share positions with unnamed ones), and debug mode's
+        group for fingerprints."""
+        named = {bname: self._backends[bname].create_group(parents[bname], members,
+                                                            f"{name}#named")
+                 for bname in sorted(self._backends)}
+        debug = None
+        if self.config.debug:
+            debug = self._backends[self.control_backend].create_group(
+                parents[self.control_backend], members, f"{name}#debug")
+        return named, debug
+
     def _communicator(self, name: str, groups: dict[str, Any], members: tuple[int, ...],
-                      debug_group: Any = None) -> Communicator:
-        """The communicator ``name`` over ``groups`` (one per backend); ``members`` are its
-        world ranks, in its rank order."""
+                      named_groups: dict[str, Any], debug_group: Any = None) -> Communicator:
+        """The communicator ``name`` over ``groups`` (one per backend) and ``named_groups``
+        (the same for named operations); ``members`` are its world ranks, in its rank
+        order."""
         first = next(iter(groups.values()))
-        state = self.engine.comm(name, first.rank, first.size, members)
+        engine = self.engine
+        state = engine.comm(name, first.rank, first.size, members)
         slots = {}
+        named = {}
         for bname in self.selector.preference:
             backend = self._backends[bname]
             group = groups[bname]
-            slots[bname] = Slot(backend, group, self.engine.lane(backend, group, state))
+            slots[bname] = Slot(backend, group, engine.lane(backend, group, state))
+            group = named_groups[bname]
+            named[bname] = Slot(backend, group,
+                                engine.lane(backend, group, state, "#named", named=True))
+        state.names = Names(engine, state, named[self.control_backend].lane)
         debug = None
         if debug_group is not None:
             backend = self._backends[self.control_backend]
             debug = Slot(backend, debug_group,
-                         self.engine.lane(backend, debug_group, state, "#debug"))
-        comm = Communicator(self, name, slots, members, debug)
+                         engine.lane(backend, debug_group, state, "#debug"))
+        comm = Communicator(self, name, slots, members, debug, named)
         self._comms.append(comm)
         return comm
 
@@ -178,19 +197,16 @@ class Runtime:
     ) -> Communicator:
         """The sub-communicator ``name`` of ``members`` of ``parent`` (called by members only)."""
         groups = {}
-        debug_group = None
         # Group creation blocks among the members only, all of which are making this same
         # call right after the same allgather, backend by backend in name order (a selector's
         # preference may differ between ranks); holding the lock keeps MPI serialized.
         with self.engine.lock:
+            parents = {bname: parent._slots[bname].group for bname in self._backends}
             for bname in sorted(self._backends):
-                parent_group = parent._slots[bname].group
-                groups[bname] = self._backends[bname].create_group(parent_group, members, name)
-            if self.config.debug:
-                debug_group = self._backends[self.control_backend].create_group(
-                    parent._slots[self.control_backend].group, members, name + "#debug")
+                groups[bname] = self._backends[bname].create_group(parents[bname], members, name)
+            extra = self._extra_groups(parents, list(members), name)
         members = tuple(parent.members[m] for m in members)
-        return self._communicator(name, groups, members, debug_group)
+        return self._communicator(name, groups, members, *extra)
 
     def close_communicator(self, comm: Communicator) -> None:
         """Wait for ``comm``'s unfinished operations, then free its groups."""
@@ -271,7 +287,7 @@ class Runtime:
             for comm in list(self._comms):
                 comm._mark_closed()
                 for slot in comm.slots():
-                    if comm is not self.world or slot is comm._debug:
+                    if comm is not self.world or slot.group is not slot.backend.world():
                         slot.backend.free_group(slot.group)
             for backend in self._backends.values():
                 backend.close()

@@ -100,6 +100,11 @@ def test_debug_mode(n):
 
 
 @pytest.mark.parametrize("n", [2, 4])
+def test_named_operations(n):
+    run_suite(n, "tests/multirank/test_named.py")
+
+
+@pytest.mark.parametrize("n", [2, 4])
 def test_generated_programs_on_real_backends(n):
     run_suite(n, "tests/multirank/test_programs.py")
 

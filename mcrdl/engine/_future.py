@@ -51,7 +51,8 @@ class CommFuture:
         backend's request, reads and writes: the byte ranges it touches, nbytes: what it
         moves, finish: run on success before it resolves (an emulated AVG's division),
         hold: what else must stay alive while the backend may use it (the caller's objects it
-        reads or writes by address, besides the result).
+        reads or writes by address, besides the result), name: the name its members match
+        it by (``name=``; None for an operation matched by its position).
 
     Invariants:
     - state moves PENDING -> ISSUED -> {DONE, FAILED}, or PENDING -> {FAILED, CANCELLED};
@@ -64,7 +65,9 @@ class CommFuture:
       it is 0 and the operation is the oldest unissued one of its lane.
     - ``_dependants`` lists the futures that counted this one in their ``_deps_left``.
     - ``_route`` is set while an operation whose lane is chosen late (``Engine.submit``'s
-      ``route``) waits for its dependencies.
+      ``route``) waits for its dependencies, and while a named operation waits for its
+      members to agree on its place (the communicator's `Names`, ``Engine.submit``'s
+      ``named``).
     - ``index`` is its position among its lane's collectives (or its stream's operations),
       from 1, the same on every member: the peers match by it (set at submission).
     """
@@ -82,6 +85,7 @@ class CommFuture:
         "nbytes",
         "finish",
         "hold",
+        "name",
         # the engine's
         "_engine",
         "_state",
@@ -132,6 +136,7 @@ class CommFuture:
         self.nbytes = nbytes
         self.finish = finish
         self.hold = hold
+        self.name: str | None = None
         self._state = PENDING
         self._result = result
         # () until the first callback arrives (no list per operation), None once terminal.
@@ -247,7 +252,9 @@ class CommFuture:
     def __repr__(self) -> str:
         lane = self.lane
         deps = f" deps={self._deps_left}" if self._deps_left else ""
+        named = f" {self.name!r}" if self.name is not None else ""
         return (
-            f"<CommFuture {self.kind}#{self.seq} {STATE_NAMES[self._state]} on {lane.backend_name}"
+            f"<CommFuture {self.kind}#{self.seq}{named} {STATE_NAMES[self._state]} on "
+            f"{lane.backend_name}"
             f" lane={lane.comm_name} rank={lane.rank}/{lane.size}{deps}>"
         )

@@ -64,9 +64,11 @@ class CommState:
     - ``broken`` is None, or the first cause, and never changes back.
     - ``members`` are the world ranks of its members, in its rank order (whom to tell).
     - ``stops`` maps a member's rank here to its stops (`Stops`), once it has stopped.
+    - ``names`` matches its named operations across its members (`Names`; None where the
+      communicator has no named lanes).
     """
 
-    __slots__ = ("name", "rank", "size", "members", "lanes", "broken", "stops")
+    __slots__ = ("name", "rank", "size", "members", "lanes", "broken", "stops", "names")
 
     def __init__(self, name: str, rank: int, size: int, members: tuple[int, ...]) -> None:
         self.name = name
@@ -76,6 +78,7 @@ class CommState:
         self.lanes: list[Lane] = []
         self.broken: str | None = None
         self.stops: dict[int, Stops] = {}
+        self.names: Any = None
 
     def __repr__(self) -> str:
         state = f" broken: {self.broken}" if self.broken is not None else ""
@@ -113,9 +116,11 @@ class Lane:
         "blocking",
         "spins_alone",
         "in_order",
+        "named",
     )
 
-    def __init__(self, backend: Backend, group: Any, comm: CommState, name: str) -> None:
+    def __init__(self, backend: Backend, group: Any, comm: CommState, name: str,
+                 named: bool = False) -> None:
         self.backend = backend
         self.backend_name = backend.name
         self.group = group
@@ -143,6 +148,9 @@ class Lane:
         #: Whether the lane's issued work runs one at a time in issue order (see
         #: Capabilities.in_order): what is behind an operation that never runs never runs.
         self.in_order: bool = backend.capabilities.in_order
+        #: Whether the lane runs named operations, placed in the order its members agreed
+        #: on (`Names`), not in submission order: only collectives, ordered by ``index``.
+        self.named = named
 
     def records(self) -> list[OpRecord]:
         """The flight record: the last finished operations of this lane, oldest first."""
@@ -186,4 +194,7 @@ def flight_record(engine: Any, now: float | None = None) -> str:
             rec = OpRecord(f.kind, f.seq, STATE_NAMES[f._state], f.nbytes, f.t_submit,
                            f.t_issue, 0.0, "")
             lines.append(_line(rec, now))
+    for comm in engine._comms.values():
+        if comm.names is not None:
+            lines.extend(comm.names.waiting(now))
     return "\n".join(lines)

@@ -52,6 +52,7 @@ from ._tracks import Track
 
 if TYPE_CHECKING:
     from ..backends import Backend
+    from ._names import Names
 
 __all__ = ["Engine", "EngineStats"]
 
@@ -235,6 +236,8 @@ class Engine:
         #: Those of communicators this rank has not made yet (a peer may break one while
         #: this rank is still making it): applied when it is made.
         self._told_early: dict[str, list[tuple[str, int, Stops]]] = {}
+        #: Named operations' agreements with a round to post later (`Names.due`).
+        self._deferred: dict[Names, None] = {}
         #: This rank's stops, to tell the peers of once the lock is released.
         self._to_tell: list[tuple[CommState, str, Stops]] = []
         #: Tells a break's peers (the runtime's notices): ``on_break(comm, cause, stops)``,
@@ -279,9 +282,11 @@ class Engine:
                         self._heard(state, cause, peer, stops)  # it broke before it was made
         return state
 
-    def lane(self, backend: Backend, group: Any, comm: CommState, suffix: str = "") -> Lane:
+    def lane(self, backend: Backend, group: Any, comm: CommState, suffix: str = "",
+             named: bool = False) -> Lane:
         """The lane of ``backend`` on ``comm`` (made on first use); ``suffix`` names a second
-        lane of the same backend there (the debug lane)."""
+        lane of the same backend there (the debug lane, the named lane); ``named``: it runs
+        named operations, in the order the members agree on (`Lane.named`)."""
         name = comm.name + suffix
         key = (backend.name, name)
         lane = self._lanes.get(key)
@@ -289,7 +294,7 @@ class Engine:
             with self._lock:
                 lane = self._lanes.get(key)
                 if lane is None:
-                    lane = self._lanes[key] = Lane(backend, group, comm, name)
+                    lane = self._lanes[key] = Lane(backend, group, comm, name, named)
                     comm.lanes.append(lane)
                     track = self._tracks.get(backend)
                     if track is None:
@@ -329,7 +334,7 @@ class Engine:
 
     def submit(self, fut: CommFuture, after: Iterable[CommFuture] = (),
                route: tuple[tuple[Lane, ...], Callable[[CommFuture], None]] | None = None,
-               ) -> CommFuture:
+               named: tuple[Names, str] | None = None) -> CommFuture:
         """Add the operation ``fut`` describes; issue it at once if its lane and its
         dependencies allow. Returns ``fut``.
 
@@ -340,6 +345,11 @@ class Engine:
         candidate lane, so whichever it goes to, every member issues it at the same position
         there (rule 2 of DESIGN.md): an alltoallv routed by its agreed total size waits for
         the exchange that agrees on it without blocking anything submitted before.
+
+        ``named``: ``(names, signature)`` for an operation its members match by
+        ``fut.name`` (rule 8): it takes its place in the hazard DAG now, and its place in
+        ``fut.lane`` (a named lane) once its dependencies have finished and the members have
+        agreed on it (`Names`).
         """
         if after:
             after = self._check_after(after)
@@ -358,7 +368,10 @@ class Engine:
                 )
             # Its position, which its peers match it by (rule 7 needs it when a member stops).
             stream = fut.stream
-            if route is not None:  # a place in every candidate lane; the chosen one's counts
+            if named is not None:  # its place comes with the members' agreement
+                route = named[0]  # type: ignore[assignment]
+                named[0].hold(fut, named[1])
+            elif route is not None:  # a place in every candidate lane; the chosen one's counts
                 reserved = {}
                 for candidate in route[0]:
                     candidate.submitted = reserved[candidate] = candidate.submitted + 1
@@ -422,8 +435,9 @@ class Engine:
                 else:
                     dependants.append(fut)
         if routed:
-            for lane in fut._route[0]:
-                lane.pending.append(fut)
+            if type(fut._route) is tuple:
+                for lane in fut._route[0]:
+                    lane.pending.append(fut)
             if not deps:
                 self._route(fut)
         else:
@@ -515,7 +529,11 @@ class Engine:
             pending.popleft()
 
     def _route(self, fut: CommFuture) -> None:
-        """``fut``'s dependencies are met: choose its lane, and let the others go on."""
+        """``fut``'s dependencies are met: choose its lane, and let the others go on; or, for
+        a named operation, offer it to its members' agreement."""
+        if type(fut._route) is not tuple:
+            fut._route.ready(fut)
+            return
         lanes, choose, reserved = fut._route
         try:
             choose(fut)
@@ -635,7 +653,10 @@ class Engine:
             route = fut._route
             if route is not None:
                 fut._route = None
-                self._unroute(fut, route[0])
+                if type(route) is tuple:
+                    self._unroute(fut, route[0])
+                else:
+                    route.drop(fut)
             elif lane.pending and lane.pending[0] is fut:
                 self._pump(lane)
         if fut._dependants:
@@ -686,6 +707,9 @@ class Engine:
             for fut in lane.pending:
                 if fut._state == PENDING:
                     self._work.append((fut, self._broken_error(fut)))
+        if comm.names is not None:
+            for fut in comm.names.held:
+                self._work.append((fut, self._broken_error(fut)))
         self._apply_stops(comm)
         self._to_tell.append((comm, cause, mine))
 
@@ -725,8 +749,9 @@ class Engine:
             unissued.extend(doomed)
             for fut in unissued:
                 route = fut._route
-                if route is not None:  # its place here, routed here or not
-                    if lane in route[2]:
+                if route is not None:  # its place here, routed here or not (a named
+                    # operation not yet agreed on has none)
+                    if type(route) is tuple and lane in route[2]:
                         first = min(first, route[2][lane])
                 elif fut.lane is lane:
                     if fut.stream is None:
@@ -742,8 +767,10 @@ class Engine:
         """What ``fut``'s lane issued after it and still runs: if the lane runs its work in
         order (a stream, a worker thread), none of it runs unless ``fut`` does."""
         lane = fut.lane
-        if not lane.in_order:
+        if not lane.in_order or fut._route is not None:  # (not placed: nothing is behind)
             return []
+        if lane.named:  # placed in the agreed order, not in submission order
+            return [f for f, _ in lane.track.items() if f.lane is lane and f.index > fut.index]
         return [f for f, _ in lane.track.items() if f.lane is lane and f.seq > fut.seq]
 
     def _apply_stops(self, comm: CommState) -> None:
@@ -829,6 +856,8 @@ class Engine:
         try:
             self._n_polls += 1
             progressed = False
+            if self._deferred:
+                self._post_deferred()
             for track in self._track_list:
                 if not track.live:
                     continue
@@ -1001,6 +1030,7 @@ class Engine:
             if timeout is None:
                 return
             limit = now - timeout
+            self._expire_names(limit, timeout)
             expired = [f for t in self._track_list for f, _ in t.items() if f.t_issue < limit]
             if not expired:
                 return
@@ -1017,6 +1047,62 @@ class Engine:
         self._after_lock()
         if self._on_timeout is not None:
             self._on_timeout(expired, record)
+
+    def _expire_names(self, limit: float, timeout: float) -> None:
+        """Fail the named operations that waited for their members' agreement since before
+        ``limit`` with DesyncError naming the members that lack them, and break their
+        communicators (their members do not agree on what runs next)."""
+        for comm in self._comms.values():
+            names = comm.names
+            if names is None or not names.held or comm.broken is not None:
+                continue
+            expired = names.expired(limit)
+            if expired:
+                names.fail([(f, DesyncError(names.why(f, timeout))) for f in expired])
+        self._run_work()
+
+    # -- operations the engine makes, and named operations' places (lock held) ----------
+
+    def add_own(self, fut: CommFuture) -> None:
+        """Submit ``fut``, an operation the engine makes itself (a `Names` agreement round),
+        at the end of its lane; lock held. It has no ranges and no dependencies."""
+        fut._engine = self
+        fut.t_submit = self._clock()
+        lane = fut.lane
+        lane.submitted = fut.index = lane.submitted + 1
+        self._unfinished += 1
+        lane.pending.append(fut)
+        self._pump(lane)
+
+    def defer(self, names: Names) -> None:
+        """Let ``names`` post its next round at ``names.later`` (checked by every poll);
+        lock held."""
+        self._deferred[names] = None
+
+    def _post_deferred(self) -> None:
+        now = self._clock()
+        for names in list(self._deferred):
+            if names.later is None:
+                del self._deferred[names]
+            elif now >= names.later:
+                del self._deferred[names]
+                names.due(now)
+        self._run_work()
+
+    def place(self, futs: list[CommFuture]) -> None:
+        """Give the named operations ``futs`` (agreed on, in the agreed order) their places
+        at the end of their lanes, and issue them; lock held."""
+        lanes: dict[Lane, None] = {}
+        for fut in futs:
+            fut._route = None
+            if fut._state != PENDING:
+                continue
+            lane = fut.lane
+            lane.submitted = fut.index = lane.submitted + 1
+            lane.pending.append(fut)
+            lanes[lane] = None
+        for lane in lanes:
+            self._pump(lane)
 
     # -- cancellation --------------------------------------------------------------------
 
@@ -1052,6 +1138,7 @@ class Engine:
             pending: dict[CommFuture, None] = {}
             for lane in self._lanes.values():
                 pending.update((f, None) for f in lane.pending if f._state == PENDING)
+            pending.update(self._held())
             for fut in pending:
                 self._work.append((fut, make_error(fut)))
             self._run_work()
@@ -1108,11 +1195,18 @@ class Engine:
             )
 
     def unfinished(self) -> list[CommFuture]:
-        """Every unfinished future: issued ones by backend, then pending ones by lane."""
+        """Every unfinished future: issued ones by backend, then pending ones by lane, then
+        named ones not yet agreed on."""
         with self._lock:
             out = [f for t in self._track_list for f, _ in t.items()]
             seen: dict[CommFuture, None] = {}
             for lane in self._lanes.values():
                 seen.update((f, None) for f in lane.pending if f._state == PENDING)
+            seen.update(self._held())
             out.extend(seen)
             return out
+
+    def _held(self) -> dict[CommFuture, None]:
+        """The named operations waiting for their members' agreement."""
+        return {f: None for comm in self._comms.values() if comm.names is not None
+                for f in comm.names.held}

@@ -34,6 +34,7 @@ def programs(
     max_faults: int = 0,
     min_faults: int = 0,
     faults: Sequence[str] = FAULTS,
+    named: bool = False,
 ) -> Any:
     """A hypothesis strategy of well-formed `Program`s (see ``_programs``).
 
@@ -43,6 +44,8 @@ def programs(
         kinds, dtypes, ops: what steps may use (AVG only on floating dtypes).
         min_faults, max_faults: how many `Fault`s, each of a kind in ``faults``, at any
             step, on any rank that takes part in it.
+        named: group runs of independent collectives into concurrent blocks of named
+            operations, each rank submitting each block in an order of its own.
     """
     from hypothesis import strategies as st
 
@@ -115,6 +118,9 @@ def programs(
             steps.append(Step(kind, comm, backend, Region(slot, s0, src_len),
                               Region(out_slot, o0, out_len), root=root, op=op, after=after))
         prog = Program(size, tuple(splits), slots, tuple(steps), backends=tuple(backends))
+        blocks = _blocks(draw, steps) if named else []
+        orders = [tuple(tuple(draw(st.permutations(block))) for block in blocks)
+                  for _ in range(size)] if blocks else []
         delays, mids, waits = [], [], []
         for r in range(size):
             mine = prog.local_steps(r)
@@ -131,6 +137,38 @@ def programs(
             who = [r for r in range(size) if prog.takes_part(steps[at], r)]
             drawn.append(Fault(at, draw(st.sampled_from(who)), draw(st.sampled_from(faults))))
         return Program(size, tuple(splits), slots, tuple(steps), tuple(delays), tuple(mids),
-                       tuple(waits), tuple(backends), tuple(drawn))
+                       tuple(waits), tuple(backends), tuple(drawn), tuple(blocks),
+                       tuple(orders))
 
     return build()
+
+
+def _blocks(draw: Any, steps: list[Step]) -> list[tuple[int, ...]]:
+    """Runs of consecutive steps that may be concurrent: collectives that touch disjoint
+    regions (any overlap counts, whatever reads or writes it) and do not depend on one
+    another; each step joins the run before it, starts a new one, or stays out."""
+    from hypothesis import strategies as st
+
+    blocks: list[list[int]] = []
+    current: list[int] = []
+    for i, step in enumerate(steps):
+        how = draw(st.sampled_from(["join", "join", "new", "out"]))
+        eligible = step.kind != "sendrecv" and not (
+            step.kind == "alltoallv" and step.exchange and step.backend is None)
+        fits = (how == "join" and eligible and not set(step.after) & set(current)
+                and not any(_overlap(step, steps[j]) for j in current))
+        if fits:
+            current.append(i)
+            continue
+        if current:
+            blocks.append(current)
+        current = [i] if eligible and how != "out" else []
+    if current:
+        blocks.append(current)
+    return [tuple(b) for b in blocks]
+
+
+def _overlap(a: Step, b: Step) -> bool:
+    regions = [r for r in (a.buf, a.out) if r is not None]
+    return any(r.slot == q.slot and r.start < q.start + q.length and q.start < r.start + r.length
+               for r in regions for q in (b.buf, b.out) if q is not None)

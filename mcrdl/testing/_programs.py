@@ -8,6 +8,10 @@ fixes per-rank delays, extra ``after=`` edges, the order in which each rank wait
 futures (some right after submitting, the rest at the end, in a per-rank order), and
 `Fault`s: one rank's operation cancelled, failing, or depending on one that fails.
 
+Some runs of consecutive collectives are *concurrent blocks*: named collectives (``name=``,
+rule 8 of DESIGN.md) that touch disjoint bytes and do not depend on one another, as several
+asyncio tasks would submit them; each rank submits a block in an order of its own.
+
 Buffers are 1-D numpy "slots" per rank; a step reads and writes *regions* of them, so steps
 share bytes (and hazards across backends arise) whenever their regions overlap.
 
@@ -102,6 +106,13 @@ class Program:
     waits: tuple[tuple[int, ...], ...] = ()
     backends: tuple[str, ...] = field(default=("mpi", "gloo"))
     faults: tuple[Fault, ...] = ()
+    blocks: tuple[tuple[int, ...], ...] = ()
+    orders: tuple[tuple[tuple[int, ...], ...], ...] = ()
+
+    @property
+    def named(self) -> dict[int, str]:
+        """The name of each step in a concurrent block (``blocks``), by step index."""
+        return {i: f"s{i}" for block in self.blocks for i in block}
 
     def members(self, comm: tuple[int, int]) -> tuple[int, ...]:
         """World ranks of a communicator, in its rank order."""
@@ -159,20 +170,27 @@ def run_program(program: Program, comm: Any, *, pause: Callable[[int], None] | N
     # A communicator of this rank alone: its own operations to cancel (no peers to break).
     solo = comm.split(rank) if program.faults else None
     faults = {f.step: f.kind for f in program.faults if f.rank == rank}
+    names = program.named
+    # A concurrent block is submitted, in this rank's order, where its first step is.
+    later = {i: block for block in program.blocks for i in block[1:]}
+    orders = {block[0]: program.orders[rank][b] if program.orders else block
+              for b, block in enumerate(program.blocks)}
     slots = initial_slots(program, rank)
     futs: dict[int, Any] = {}
     delays = program.delays[rank] if program.delays else ()
     mid = program.mid_waits[rank] if program.mid_waits else frozenset()
     doomed: list[Any] = []  # this rank's operations to cancel at its next wait
-    for i in program.local_steps(rank):
+    mine = set(program.local_steps(rank))
+    for i in [j for k in range(len(program.steps)) if k not in later
+              for j in orders.get(k, (k,)) if j in mine]:
         step = program.steps[i]
         if delays and delays[i]:
             pause(delays[i])
         after = [futs[j] for j in step.after if j in futs]
         futs[i] = _faulty(faults.get(i), program, step, comms[step.comm], slots, after, solo,
-                          inject, doomed)
-        if i in mid:
-            _wait(futs[i], outcomes, doomed)
+                          inject, doomed, names.get(i))
+        if i in mid and i not in names:  # (a wait inside a concurrent block would block
+            _wait(futs[i], outcomes, doomed)  # the other "tasks": never in asyncio)
     order = program.waits[rank] if program.waits else tuple(futs)
     for i in (*order, *futs):  # then anything the order left out
         _wait(futs[i], outcomes, doomed)
@@ -206,29 +224,34 @@ def _wait(fut: Any, outcomes: dict[int, str] | None, doomed: list[Any]) -> None:
 
 def _faulty(kind: str | None, program: Program, step: Step, comm: Any,
             slots: list[np.ndarray], after: list[Any], solo: Any,
-            inject: Callable[[str, list[Any]], None] | None, doomed: list[Any]) -> Any:
-    """Submit ``step``, making it fail on this rank as the fault ``kind`` says."""
+            inject: Callable[[str, list[Any]], None] | None, doomed: list[Any],
+            name: str | None = None) -> Any:
+    """Submit ``step`` (named ``name``, if given), making it fail on this rank as the fault
+    ``kind`` says."""
     if kind is None:
-        return _submit(program, step, comm, slots, after)
+        return _submit(program, step, comm, slots, after, name=name)
     if kind in ("start", "error"):
         mark = (lambda objs: inject(kind, objs)) if inject is not None else None
-        return _submit(program, step, comm, slots, after, mark)
+        return _submit(program, step, comm, slots, after, mark, name)
     # Held back behind an operation of this rank's own that nothing polls until the rank
     # waits next: it is cancelled then (or, for "dependency", what it waits for is).
     gate = solo.barrier()
     if kind == "cancel":
-        fut = _submit(program, step, comm, slots, [*after, gate])
+        fut = _submit(program, step, comm, slots, [*after, gate], name=name)
         doomed.append(fut)
     else:  # "dependency"
         victim = solo.barrier(after=[gate])
-        fut = _submit(program, step, comm, slots, [*after, victim])
+        fut = _submit(program, step, comm, slots, [*after, victim], name=name)
         doomed.append(victim)
     return fut
 
 
 def _submit(program: Program, step: Step, comm: Any, slots: list[np.ndarray],
-            after: Sequence[Any], mark: Callable[[list[Any]], None] | None = None) -> Any:
-    kw = {"backend": step.backend, "after": after}
+            after: Sequence[Any], mark: Callable[[list[Any]], None] | None = None,
+            name: str | None = None) -> Any:
+    kw: dict[str, Any] = {"backend": step.backend, "after": after}
+    if name is not None:
+        kw["name"] = name
     me, n = comm.rank, comm.size
     kind = step.kind
     buf = step.buf.view(slots) if step.buf is not None else None

@@ -337,17 +337,24 @@ class SimWorld:
         return [t.result for t in ranks]
 
     def _deadlines(self) -> list[int]:
-        """Steps at which an in-flight operation times out (with a timeout configured)."""
+        """Steps at which a deferred agreement round is due, and at which an in-flight
+        operation, or a named one waiting for agreement, times out (with a timeout
+        configured)."""
         steps = []
         for runtime in self.runtimes:
             engine = runtime.engine
-            if engine.timeout is None:
+            steps += [int(names.later / STEP_SECONDS) + 1 for names in engine._deferred
+                      if names.later is not None]
+            since = [f.t_issue for track in engine._track_list for f, _ in track.items()]
+            since += [ready for comm in engine._comms.values() if comm.names is not None
+                      for _, ready in comm.names.held.values() if ready is not None]
+            timeout = engine.timeout
+            if timeout is None:
                 continue
-            for track in engine._track_list:
-                for fut, _ in track.items():
-                    # one step past the deadline, plus the engine's check interval
-                    limit = fut.t_issue + engine.timeout + min(engine.timeout / 8, 0.25)
-                    steps.append(int(limit / STEP_SECONDS) + 1)
+            for t in since:
+                # one step past the deadline, plus the engine's check interval
+                limit = t + timeout + min(timeout / 8, 0.25)
+                steps.append(int(limit / STEP_SECONDS) + 1)
         return steps
 
     def _abort(self) -> None:

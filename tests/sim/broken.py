@@ -52,3 +52,11 @@ class LaneGoesOnEngine(Engine):
 
     def _break(self, comm, cause, culprit=None, issued=False):  # type: ignore[no-untyped-def]
         pass
+
+
+class NamesIgnoredEngine(Engine):
+    """Issues named operations in each rank's own submission order, as if they had no names
+    (what plain position matching does with collectives from concurrent tasks)."""
+
+    def submit(self, fut, after=(), route=None, named=None):  # type: ignore[no-untyped-def]
+        return super().submit(fut, after, route)

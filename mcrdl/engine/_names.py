@@ -1,0 +1,374 @@
+"""Named operations: matched across a communicator's members by name, in an order they agree on.
+
+Collectives submitted from concurrent asyncio tasks reach a communicator in an order that
+timing decides, and timing differs between ranks (rule 8 of DESIGN.md). A collective given
+``name=`` is therefore not placed in a lane when it is submitted: it waits, in the hazard DAG
+like any operation, until its dependencies have finished (it is *ready*), then until every
+member has it ready too. The members agree on that in *rounds*: each round is one small
+allgather, on the communicator's named lane of the runtime's control backend, of what each
+member has ready. What every member has ready is placed, in one order computed alike from the
+same table, at the end of the named lanes (one per backend, with groups of their own, so that
+named operations never share positions with unnamed ones, which keep submission order).
+
+Why rounds of allgathers, not a coordinator as Horovod has: a round is one collective with no
+rank in the middle (one hop where a coordinator needs two: a request in, a response out), it
+runs on the same engine as every other operation (no thread, no polling of a socket), and
+every member learns what every other one has ready, which is what a timeout needs to name the
+members that lack a name.
+
+The response cache (Horovod's idea): a (name, signature) the members agreed on once gets a
+*slot*, the same number on every member (slots are given in agreed order). Afterwards a round
+carries a bit per slot, so a training step that submits the same names every iteration agrees
+on all of them with one allgather of a few words, whatever their number. A name with no slot
+yet is first *announced* (its length in bytes), then *published* in the next round's name
+area, sized by the largest announcement; it is agreed once every member has published it.
+
+When a member posts a round (one in flight at a time), so that every member that has
+something left posts again, and none spins rounds that cannot agree anything:
+- when an operation becomes ready here and no round is in flight;
+- at once after a round, if an operation became ready meanwhile, if a member announced
+  names (everybody joins the round that publishes them), or if something is left here and
+  the round agreed something or this member lacks nothing that another one has left;
+- otherwise, with something left, after a back-off (``_BACKOFF_MIN`` doubling to
+  ``_BACKOFF_MAX`` while rounds agree nothing), or at once when an operation becomes ready.
+Two members each lacking what the other has left would otherwise run rounds that agree
+nothing back to back, for as long as the skew between them lasts (a rank computing a
+micro-batch the other has finished); waiting for their own arrivals alone is not enough: what
+this member lacks may itself wait here for one of the names it has left (a dependency that
+only the members of a sub-communicator have), so it posts again after the back-off.
+
+A signature (operation, dtype, shape, root, reduce op, backend) travels with each name: the
+same name with another signature on another member fails with DesyncError on every member
+that holds it, naming both. A name that some members never submit fails, after the runtime's
+timeout, with DesyncError naming the members that did not have it at the last round. Both
+break the communicator (rule 7): the members no longer agree on what runs next.
+"""
+
+from __future__ import annotations
+
+from functools import reduce
+from operator import and_
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._buffers import new_buffer
+from .._errors import DesyncError
+from .._types import DType
+from ._future import CommFuture
+from ._states import DONE
+
+if TYPE_CHECKING:
+    from ._lanes import CommState, Lane
+    from ._progress import Engine
+
+__all__ = ["MAX_NAME_BYTES", "Names"]
+
+#: Bytes of names one round publishes at most (more wait for the next round).
+_AREA_CAP = 1 << 16
+#: int64 words of a round's row before the slot bits: the round's number, the bytes this
+#: member has left to publish, the bytes of this round's name area.
+_HEAD = 3
+#: The longest name (UTF-8 bytes).
+MAX_NAME_BYTES = 1024
+#: Seconds before re-posting after a round that agreed nothing, while nothing new is ready
+#: here; doubled after each such round up to the maximum.
+_BACKOFF_MIN = 50e-6
+_BACKOFF_MAX = 2e-3
+_EMPTY: tuple[tuple[int, int], ...] = ()
+
+
+def _entry(key: tuple[str, str]) -> bytes:
+    return key[0].encode() + b"\0" + key[1].encode() + b"\0"
+
+
+class Names:
+    """The named operations of one communicator, and the rounds that agree on them.
+
+    Everything here runs with the engine's lock held: ``hold`` from ``Engine.submit``,
+    ``ready`` when an operation's dependencies have finished, ``drop`` when one fails before
+    it was placed, the round's finishing step when a round completes.
+
+    Invariants:
+    - ``held`` maps each named operation submitted here and not yet placed to its
+      [signature, the time it became ready (None while its dependencies run)].
+    - ``live`` maps a name to the last operation submitted with it.
+    - ``keys[i]`` is the (name, signature) of slot ``i``; ``slots`` is its inverse; both
+      are the same on every member.
+    - bit ``i`` of ``mask`` is set while ``by_slot[i]``, a ready operation of slot ``i``,
+      waits here; ``fresh`` maps the keys of ready operations without a slot to them, in
+      the order they became ready; ``unpublished`` holds those not yet published.
+    - ``published[r]`` holds the keys member ``r`` published that are not agreed on yet
+      (the same on every member: each learns them from the same tables).
+    - ``current`` is the round in flight (one at a time), None when none is; ``later`` the
+      time at which to post the next one (None: at the next arrival only).
+    """
+
+    def __init__(self, engine: Engine, comm: CommState, lane: Lane) -> None:
+        self.engine = engine
+        self.comm = comm
+        self.lane = lane
+        self.rank = comm.rank
+        self.size = comm.size
+        self.held: dict[CommFuture, list[Any]] = {}
+        self.live: dict[str, CommFuture] = {}
+        self.keys: list[tuple[str, str]] = []
+        self.slots: dict[tuple[str, str], int] = {}
+        self.mask = 0
+        self.by_slot: dict[int, CommFuture] = {}
+        self.fresh: dict[tuple[str, str], CommFuture] = {}
+        self.unpublished: dict[tuple[str, str], None] = {}
+        self.published: list[dict[tuple[str, str], None]] = [{} for _ in range(self.size)]
+        self.current: CommFuture | None = None
+        self.rounds = 0
+        self.area = 0  # bytes of the next round's name area
+        self.changed = False  # an operation became ready during the round in flight
+        self.later: float | None = None
+        self.backoff = _BACKOFF_MIN
+        # What the last completed round said, for timeouts: when, and each member's bits.
+        self.last_time = -1.0
+        self.last_masks: list[int] = []
+
+    # -- operations ----------------------------------------------------------------------
+
+    def hold(self, fut: CommFuture, sig: str) -> None:
+        """Take the named ``fut`` (signature ``sig``) until its members agree on it.
+
+        Raises:
+            ValueError: an unfinished operation here has the same name.
+        """
+        name = fut.name
+        prior = self.live.get(name)  # type: ignore[arg-type]
+        if prior is not None and prior._state < DONE:
+            raise ValueError(
+                f"name {name!r} is in use on communicator {self.comm.name}: {prior!r} has "
+                f"not finished; a name stands for one operation at a time: wait for it "
+                f"first, or give this one another name"
+            )
+        self.live[name] = fut  # type: ignore[index]
+        self.held[fut] = [sig, None]
+
+    def ready(self, fut: CommFuture) -> None:
+        """``fut``'s dependencies have finished: offer it to the members' agreement."""
+        entry = self.held[fut]
+        entry[1] = self.engine._clock()
+        if self.size == 1:
+            del self.held[fut]
+            self.engine.place([fut])
+            return
+        key = (fut.name, entry[0])
+        slot = self.slots.get(key)  # type: ignore[arg-type]
+        if slot is not None:
+            self.by_slot[slot] = fut
+            self.mask |= 1 << slot
+        else:
+            self.fresh[key] = fut  # type: ignore[index]
+            self.unpublished[key] = None  # type: ignore[index]
+        if self.current is not None:
+            self.changed = True
+        else:
+            self._post()
+
+    def due(self, now: float) -> None:
+        """Post the deferred round if its time has come (the engine's polls call this)."""
+        if self.later is not None and now >= self.later:
+            self._post()
+
+    def drop(self, fut: CommFuture) -> None:
+        """``fut`` failed before it was placed (its communicator breaks, or broke)."""
+        entry = self.held.pop(fut, None)
+        if entry is None:
+            return
+        key = (fut.name, entry[0])
+        slot = self.slots.get(key)  # type: ignore[arg-type]
+        if slot is not None and self.by_slot.get(slot) is fut:
+            del self.by_slot[slot]
+            self.mask &= ~(1 << slot)
+        elif self.fresh.get(key) is fut:  # type: ignore[arg-type]
+            del self.fresh[key]  # type: ignore[arg-type]
+            self.unpublished.pop(key, None)  # type: ignore[arg-type]
+
+    def fail(self, futs: list[tuple[CommFuture, DesyncError]]) -> None:
+        """Fail each held future with its error, and break the communicator for the first
+        (the members no longer agree on what runs next)."""
+        engine = self.engine
+        engine._work.extend(futs)
+        engine._break(self.comm, f"on rank {self.rank}, {futs[0][1]}", futs[0][0])
+
+    def expired(self, limit: float) -> list[CommFuture]:
+        """The ready operations that have waited for agreement since before ``limit``."""
+        return [f for f, (_, t) in self.held.items() if t is not None and t < limit]
+
+    # -- rounds --------------------------------------------------------------------------
+
+    def _post(self) -> None:
+        """Post the next round: what is ready here, as bits and published names."""
+        if self.comm.broken is not None:
+            return
+        self.rounds += 1
+        self.changed = False
+        self.later = None
+        words = max(1, (len(self.keys) + 63) // 64)
+        area = self.area
+        row = np.zeros((1, _HEAD + words + area // 8), dtype=np.int64)
+        raw = row.view(np.uint8)
+        at = (_HEAD + words) * 8
+        end = at + area
+        left = 0
+        for key in self.unpublished:
+            blob = _entry(key)
+            if at + len(blob) <= end:
+                raw[0, at:at + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+                at += len(blob)
+            else:
+                left += len(blob)
+        row[0, 0] = self.rounds
+        row[0, 1] = left
+        row[0, 2] = area
+        row[0, _HEAD:_HEAD + words] = np.frombuffer(self.mask.to_bytes(words * 8, "little"),
+                                                    dtype=np.int64)
+        table = np.empty((self.size, row.shape[1]), dtype=np.int64)
+        lane = self.lane
+        fut = CommFuture(
+            "agreement", lane, self.rounds, lane.backend.start_allgather,
+            (lane.group, new_buffer(row, False, DType.INT64),
+             new_buffer(table, False, DType.INT64)),
+            _EMPTY, _EMPTY, table, row.nbytes, self._agreed, row)
+        self.current = fut
+        self.engine.add_own(fut)
+
+    def _agreed(self, fut: CommFuture) -> None:
+        """A round finished (its finishing step): place what every member has ready."""
+        self.current = None
+        if self.comm.broken is not None:
+            return
+        table: np.ndarray = fut._result
+        size, me = self.size, self.rank
+        words = max(1, (len(self.keys) + 63) // 64)
+        masks = [int.from_bytes(table[r, _HEAD:_HEAD + words].tobytes(), "little")
+                 for r in range(size)]
+        everywhere = reduce(and_, masks)
+        published = self.published
+        area = int(table[0, 2])
+        if area:
+            for r in range(size):
+                for key in self._parse(table[r], words, area):
+                    published[r][key] = None
+                    if r == me:
+                        del self.unpublished[key]
+        placed = []
+        bits = everywhere
+        while bits:
+            low = bits & -bits
+            bits ^= low
+            placed.append(self.by_slot.pop(low.bit_length() - 1))
+        self.mask &= ~everywhere
+        if any(published):
+            for key in [k for k in published[0] if all(k in p for p in published[1:])]:
+                self.slots[key] = len(self.keys)
+                self.keys.append(key)
+                for p in published:
+                    del p[key]
+                placed.append(self.fresh.pop(key))
+        for f in placed:
+            del self.held[f]
+        engine = self.engine
+        engine.place(placed)
+        self.last_time = now = engine._clock()
+        self.last_masks = masks
+        lacking = self._check_signatures(masks, everywhere)
+        self.area = min(_AREA_CAP, (int(table[:, 1].max()) + 7) // 8 * 8)
+        left = self.mask or self.fresh
+        if placed:
+            self.backoff = _BACKOFF_MIN
+        if self.area or self.changed or (left and (placed or not lacking)):
+            self._post()
+        elif left:
+            self.later = now + self.backoff
+            self.backoff = min(2 * self.backoff, _BACKOFF_MAX)
+            engine.defer(self)
+
+    def _parse(self, row: np.ndarray, words: int, area: int) -> list[tuple[str, str]]:
+        start = (_HEAD + words) * 8
+        parts = row.view(np.uint8)[start:start + area].tobytes().split(b"\0")
+        out = []
+        for i in range(0, len(parts) - 1, 2):
+            if not parts[i]:
+                break
+            out.append((parts[i].decode(), parts[i + 1].decode()))
+        return out
+
+    def _check_signatures(self, masks: list[int], everywhere: int) -> bool:
+        """Fail what another member holds under the same name with another signature;
+        return whether this member lacks something another one has left."""
+        me = self.rank
+        theirs = 0
+        for r, m in enumerate(masks):
+            if r != me:
+                theirs |= m
+        theirs &= ~everywhere
+        others = [k for r, p in enumerate(self.published) if r != me for k in p]
+        if not theirs and not others:
+            return False
+        lacking = bool(theirs & ~self.mask)
+        keys = self.keys
+        while theirs:
+            low = theirs & -theirs
+            theirs ^= low
+            others.append(keys[low.bit_length() - 1])
+        for key in others:
+            name, sig = key
+            mine = self.live.get(name)
+            if mine is None or mine not in self.held:
+                lacking = True
+                continue
+            my_sig = self.held[mine][0]
+            if my_sig != sig:
+                self.fail([(mine, DesyncError(
+                    f"named operation {name!r} on communicator {self.comm.name}: this rank "
+                    f"submitted it as {my_sig}, another member as {sig}; a name must stand "
+                    f"for the same operation on every member"))])
+            elif self.held[mine][1] is None:
+                lacking = True
+        return lacking
+
+    # -- diagnosis -----------------------------------------------------------------------
+
+    def why(self, fut: CommFuture, timeout: float) -> str:
+        """Why ``fut`` was not agreed on within ``timeout``: who lacks it."""
+        sig, ready = self.held[fut]
+        assert ready is not None  # (only ready operations expire)
+        key = (fut.name, sig)
+        me = self.rank
+        others = [r for r in range(self.size) if r != me]
+        head = (f"named {fut.kind} {fut.name!r} ({sig}) on communicator {self.comm.name} was "
+                f"not agreed on within {timeout:g} s of being ready on rank {me}")
+        if self.last_time < ready:
+            who = (f"rank {others[0]} has" if len(others) == 1 else
+                   f"one or more of ranks {', '.join(map(str, others))} have")
+            return (f"{head}: {who} not submitted it (no agreement round has completed "
+                    f"since; every member must submit each name)")
+        slot = self.slots.get(key)  # type: ignore[arg-type]
+        missing = [r for r in others
+                   if not ((slot is not None and self.last_masks[r] >> slot & 1)
+                           or key in self.published[r])]
+        age = self.engine._clock() - self.last_time
+        if not missing:
+            return (f"{head}: every member had it at the last agreement round, {age:.3g} s "
+                    f"ago, but the next round did not complete")
+        ranks = ", ".join(map(str, missing))
+        return (f"{head}: rank{'s' if len(missing) > 1 else ''} {ranks} had not submitted it "
+                f"(or its dependencies there had not finished) at the last agreement round, "
+                f"{age:.3g} s ago; every member must submit each name")
+
+    def waiting(self, now: float) -> list[str]:
+        """Flight-recorder lines: the named operations waiting here, and for what."""
+        if not self.held:
+            return []
+        lines = [f"  named operations of {self.comm.name} rank {self.rank}/{self.size} "
+                 f"(round {self.rounds}{' in flight' if self.current is not None else ''})"]
+        for fut, (sig, ready) in self.held.items():
+            state = ("waiting for its dependencies" if ready is None
+                     else f"ready {now - ready:9.6f}s ago, waiting for agreement")
+            lines.append(f"    {fut.kind}#{fut.seq} {fut.name!r} {sig}: {state}")
+        return lines

@@ -1,0 +1,164 @@
+"""Named collectives on the real backends (rule 8 of DESIGN.md), at 2 and 4 ranks: concurrent
+asyncio tasks submit them in orders that differ between ranks, and each gets its own result."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import mcrdl
+
+
+def _opposite_orders(comm, backend):
+    """The issue's example: task A allreduces 1s, task B 100s; rank 0's A submits first, the
+    other ranks' B does."""
+    async def task(value, name, first):
+        if not first:
+            await asyncio.sleep(0.05)
+        return await comm.allreduce(torch.full((4,), value), backend=backend, name=name)
+
+    async def main():
+        a = asyncio.create_task(task(1.0, "A", comm.rank == 0))
+        b = asyncio.create_task(task(100.0, "B", comm.rank != 0))
+        return await asyncio.gather(a, b)
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_tasks_in_opposite_orders_get_their_own_sums(comm, backend):
+    a, b = _opposite_orders(comm, backend)
+    assert a.tolist() == [comm.size] * 4 and b.tolist() == [100.0 * comm.size] * 4
+
+
+def test_many_tasks_in_per_rank_orders_over_several_steps(comm):
+    """Eight gradient buckets as tasks, each rank starting them in its own random order and
+    with its own delays, over mpi and gloo, for several steps (the response cache from the
+    second on); an unnamed allreduce of the main flow runs alongside."""
+    rng = random.Random(comm.rank)
+    buckets = [torch.full((16 * (i + 1),), float(i + 1)) for i in range(8)]
+
+    async def bucket(i):
+        await asyncio.sleep(rng.random() * 0.01)
+        backend = "mpi" if i % 2 else "gloo"
+        await comm.allreduce(buckets[i], backend=backend, name=f"bucket{i}")
+        buckets[i].div_(comm.size)
+
+    async def step():
+        order = list(range(8))
+        rng.shuffle(order)
+        tasks = [asyncio.create_task(bucket(i)) for i in order]
+        loss = await comm.allreduce(torch.ones(1))
+        await asyncio.gather(*tasks)
+        return loss
+
+    for _ in range(4):
+        assert asyncio.run(step()).item() == comm.size
+    for i, t in enumerate(buckets):
+        assert t.tolist() == [float(i + 1)] * len(t)
+    assert comm._names.keys  # the names were cached
+
+
+def test_named_operations_keep_their_hazards_and_after_edges(comm):
+    """In one task: a named allreduce, then an unnamed broadcast of the same buffer (a
+    hazard), then a named allgather after= the broadcast; other tasks run meanwhile."""
+    async def chain():
+        x = torch.full((4,), float(comm.rank + 1))
+        f1 = comm.allreduce(x, name="sum")
+        f2 = comm.broadcast(x, root=0)
+        f3 = comm.allgather(torch.ones(2), name="gather", after=[f2])
+        await f1
+        await f2
+        return x, await f3
+
+    async def other(k):
+        await asyncio.sleep(0.002 * ((comm.rank + k) % 3))
+        return await comm.allreduce(torch.ones(3), name=f"other{k}")
+
+    async def main():
+        return await asyncio.gather(chain(), *(other(k) for k in range(3)))
+
+    (x, gathered), *others = asyncio.run(main())
+    total = comm.size * (comm.size + 1) / 2
+    assert x.tolist() == [total] * 4
+    assert gathered.tolist() == [1.0] * (2 * comm.size)
+    assert all(o.tolist() == [comm.size] * 3 for o in others)
+
+
+def test_named_operations_on_split_communicators(comm):
+    sub = comm.split(comm.rank % 2)
+    try:
+        async def main():
+            names = ["p", "q"] if sub.rank == 0 else ["q", "p"]
+            return await asyncio.gather(*(
+                sub.allreduce(torch.full((2,), 1.0 if n == "p" else 10.0), name=n)
+                for n in names))
+
+        first, second = asyncio.run(main())
+        got = {first[0].item(), second[0].item()}
+        assert got == {float(sub.size), 10.0 * sub.size}
+    finally:
+        sub.close()
+
+
+def test_every_collective_takes_a_name(comm):
+    n, r = comm.size, comm.rank
+    x = torch.arange(n * 2, dtype=torch.float32) + r
+    futs = {
+        "bcast": comm.broadcast(torch.full((2,), float(r)), root=0, name="bcast"),
+        "reduce": comm.reduce(torch.ones(2), root=0, name="reduce"),
+        "gather": comm.gather(torch.ones(1), root=0, name="gather"),
+        "scatter": comm.scatter(x, root=0, name="scatter"),
+        "rs": comm.reduce_scatter(torch.ones(n), name="rs"),
+        "a2a": comm.alltoall(x, name="a2a"),
+        "a2av": comm.alltoallv(torch.full((n,), float(r)), [1] * n, name="a2av"),
+        "barrier": comm.barrier(name="barrier"),
+    }
+    out = {k: f.wait() for k, f in futs.items()}
+    assert out["bcast"].tolist() == [0.0, 0.0]
+    assert out["rs"].tolist() == [float(n)]
+    assert out["a2av"].tolist() == [float(i) for i in range(n)]
+    if r == 0:
+        assert out["reduce"].tolist() == [float(n)] * 2
+        assert out["gather"].tolist() == [1.0] * n
+    assert out["scatter"].tolist() == [float(2 * r), float(2 * r + 1)]
+
+
+def test_a_name_in_use_is_refused(comm):
+    x = torch.ones(2)
+    fut = comm.allreduce(x, name="twice")
+    with pytest.raises(ValueError, match="name 'twice' is in use"):
+        comm.allreduce(torch.ones(2), name="twice")
+    fut.wait()
+
+
+def test_bad_names_are_refused(comm):
+    with pytest.raises(TypeError, match="name must be a str"):
+        comm.allreduce(torch.ones(1), name=3)
+    with pytest.raises(ValueError, match="non-empty string"):
+        comm.allreduce(torch.ones(1), name="")
+
+
+def test_a_name_a_member_never_submits_fails_naming_it(comm):
+    """On a communicator of its own with a short timeout: the last rank never submits "late".
+    Every rank fails, within the timeout, with DesyncError or CommBrokenError naming the
+    last rank as the one missing "late"."""
+    sub = comm.split(0)
+    engine = comm.runtime.engine
+    saved = engine.timeout
+    engine.timeout = 2.0
+    try:
+        last = sub.size - 1
+        fut = sub.allreduce(torch.ones(1), name="late" if sub.rank != last else "solo")
+        with pytest.raises((mcrdl.DesyncError, mcrdl.CommBrokenError)) as info:
+            fut.wait(timeout=30)
+        text = str(info.value)
+        assert (f"rank {last} had not submitted it" in text and "'late'" in text
+                or "'solo'" in text and "had not submitted it" in text), text
+    finally:
+        engine.timeout = saved
+    np.testing.assert_equal(comm.allreduce(torch.ones(1)).wait().item(), comm.size)

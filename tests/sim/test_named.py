@@ -1,0 +1,183 @@
+"""Named collectives (DESIGN.md rule 8), simulated: ranks submit them in different orders, as
+concurrent asyncio tasks do, and every result equals the sequential reference; a policy that
+issues them in each rank's own submission order is caught and shrunk.
+
+Also the agreement's own promises: the response cache (a step of known names costs a bounded
+number of rounds, whatever their number), a name reused before it finished, a name submitted
+with another signature elsewhere, and a name some member never submits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, find, given, settings
+from hypothesis import strategies as st
+
+from mcrdl import CommBrokenError, DesyncError
+from mcrdl.testing import FAULTS, SimMismatch, SimWorld, check_program, programs
+
+from .broken import NamesIgnoredEngine
+
+MPI_LIKE = {"mpi": "mpi", "gloo": "mpi"}
+SEMANTICS = {"mpi": "mpi", "gloo": "mpi", "nccl": "nccl", "blk": "blocking"}
+FIGURES = {"programs": 0, "named operations": 0, "blocks": 0,
+           "blocks submitted in different orders": 0}
+
+
+def _count(program):
+    FIGURES["programs"] += 1
+    FIGURES["named operations"] += len(program.named)
+    FIGURES["blocks"] += len(program.blocks)
+    FIGURES["blocks submitted in different orders"] += sum(
+        len({orders[b] for orders in program.orders}) > 1 for b in range(len(program.blocks)))
+
+
+@settings(max_examples=250, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(programs(backends=tuple(MPI_LIKE), named=True), st.integers(0, 2**16))
+def test_named_blocks_in_per_rank_orders_match_the_reference(program, seed):
+    check_program(program, seed=seed, backends=MPI_LIKE)
+    _count(program)
+
+
+@settings(max_examples=150, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(programs(backends=tuple(SEMANTICS), named=True), st.integers(0, 2**16))
+def test_named_blocks_under_every_semantics_match_the_reference(program, seed):
+    check_program(program, seed=seed, backends=SEMANTICS)
+    _count(program)
+
+
+@settings(max_examples=150, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(programs(backends=tuple(MPI_LIKE), named=True, min_faults=1, max_faults=2,
+                faults=FAULTS), st.integers(0, 2**16))
+def test_named_blocks_with_faults_never_give_wrong_data_or_hang(program, seed):
+    check_program(program, seed=seed, backends=MPI_LIKE)
+    _count(program)
+
+
+def test_the_harness_permuted_named_blocks():
+    """(Runs after the properties above.) The figures the closing note quotes."""
+    print(f"named harness: {FIGURES}")
+    if FIGURES["programs"]:
+        assert FIGURES["blocks submitted in different orders"] > FIGURES["programs"] // 4
+
+
+def test_issuing_named_operations_in_submission_order_is_caught():
+    """Without the agreement, ranks that submit a block in different orders pair different
+    operations: the harness finds a program where that gives wrong data or a mismatch, and
+    shrinks it."""
+    def broken(program):
+        if not any(len({o[b] for o in program.orders}) > 1 for b in range(len(program.blocks))):
+            return False
+        for seed in range(3):
+            try:
+                check_program(program, seed=seed, backends=MPI_LIKE,
+                              engine_factory=NamesIgnoredEngine)
+            except (AssertionError, SimMismatch) as exc:
+                broken.example = str(exc).splitlines()[0]
+                return True
+        return False
+
+    found = find(programs(backends=tuple(MPI_LIKE), named=True), broken,
+                 settings=settings(max_examples=600, deadline=None, database=None,
+                                   derandomize=True, suppress_health_check=list(HealthCheck)))
+    print(f"shrunk: {len(found.steps)} steps, blocks {found.blocks}, orders {found.orders}: "
+          f"{broken.example}")
+    assert found.blocks
+
+
+# -- the agreement itself ----------------------------------------------------------------
+
+def _run(size, program, **world):
+    return SimWorld(size, MPI_LIKE, seed=world.pop("seed", 1), **world).run(program)
+
+
+def test_tasks_in_opposite_orders_get_their_own_sums():
+    """The issue's example: 1s and 100s allreduced in opposite orders on two ranks."""
+    def program(comm):
+        a, b = np.ones(4), np.full(4, 100.0)
+        order = [("a", a), ("b", b)] if comm.rank == 0 else [("b", b), ("a", a)]
+        futs = [comm.allreduce(t, name=n) for n, t in order]
+        for f in futs:
+            f.wait()
+        return a[0], b[0]
+
+    assert _run(2, program) == [(2.0, 200.0)] * 2
+
+
+def test_a_step_of_cached_names_costs_a_bounded_number_of_rounds():
+    """After the first step, 64 names submitted in per-rank orders agree in at most two
+    rounds per step (the first name alone when it is ready before the rest, then the others
+    as bits), not one per operation."""
+    steps, n = 6, 64
+
+    def program(comm):
+        rng = np.random.default_rng(comm.rank)
+        bufs = [np.full(2, float(i)) for i in range(n)]
+        rounds = []
+        for _ in range(steps):
+            before = comm._names.rounds
+            futs = [comm.allreduce(bufs[i], name=f"g{i}") for i in rng.permutation(n)]
+            for f in futs:
+                f.wait()
+            rounds.append(comm._names.rounds - before)
+        return rounds, [b[0] for b in bufs]
+
+    out = _run(4, program)
+    for rounds, values in out:
+        assert max(rounds[1:]) <= 2, rounds
+        assert values == [i * 4.0 ** steps for i in range(n)]
+
+
+def test_a_name_in_use_cannot_be_submitted_again():
+    def program(comm):
+        a, b = np.ones(4), np.ones(4)
+        first = comm.allreduce(a, name="g")
+        with pytest.raises(ValueError, match="name 'g' is in use"):
+            comm.allreduce(b, name="g")
+        first.wait()
+        comm.allreduce(b, name="g").wait()  # free again once it finished
+        return a[0], b[0]
+
+    assert _run(2, program) == [(2.0, 2.0)] * 2
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_name_with_another_signature_elsewhere_fails_on_every_member(cached):
+    """Every member that sees the other signature fails it with DesyncError; one that hears
+    of the break from a peer first fails it with CommBrokenError naming that cause."""
+    def program(comm):
+        if cached:
+            comm.allreduce(np.ones(4), name="g").wait()
+        t = np.ones(4 if comm.rank == 0 else 8)
+        with pytest.raises((DesyncError, CommBrokenError)) as info:
+            comm.allreduce(t, name="g").wait()
+        with pytest.raises(CommBrokenError):
+            comm.allreduce(np.ones(2)).wait()
+        return str(info.value)
+
+    for text in _run(2, program):
+        assert "float64[4]" in text and "float64[8]" in text, text
+
+
+def test_a_name_some_member_never_submits_fails_naming_it():
+    """Rank 2 never submits "b" and submits "c", which nobody else does: each fails, within
+    the timeout, with DesyncError naming the members that lack it (or, where a peer's
+    timeout came first, CommBrokenError naming that one)."""
+    def program(comm):
+        a, b = np.ones(2), np.ones(2)
+        fa = comm.allreduce(a, name="a")
+        late = comm.allreduce(b, name="b" if comm.rank != 2 else "c")
+        fa.wait()
+        with pytest.raises((DesyncError, CommBrokenError)) as info:
+            late.wait()
+        return type(info.value).__name__, str(info.value)
+
+    out = _run(3, program, timeout=2.0)
+    assert "DesyncError" in {kind for kind, _ in out}
+    for _, text in out:
+        assert ("'b'" in text and "rank 2 had not submitted it" in text
+                or "'c'" in text and "ranks 0, 1 had not submitted it" in text), text
