@@ -2,8 +2,10 @@
 
     mpiexec -n 2 python benchmarks/named.py [--backend mpi] [--sizes 4,64K,4M] [--inflight 1,8,64]
 
-A *step* submits ``k`` allreduces of one size, each from an asyncio task of its own (the way
-gradient buckets or pipeline micro-batches run), and awaits them all. Unnamed, the tasks are
+A *step* submits ``k`` allreduces of one size, and waits for them all: in mode ``tasks`` each
+from an asyncio task of its own (the way gradient buckets or pipeline micro-batches run), in
+mode ``loop`` from a plain loop that then waits on each (a training loop's bucket hooks).
+Unnamed, the tasks are
 created in one order on every rank and submit before their first await, so that the order is
 the same everywhere (the well-formed baseline); named, each task passes ``name=`` and the
 ranks agree on the order. Steps alternate named and unnamed (``common.alternate``) after a
@@ -59,22 +61,28 @@ def main() -> None:
             async def step(named: bool) -> None:
                 await asyncio.gather(*(one(i, named) for i in range(k)))
 
-            def unnamed() -> None:
-                loop.run_until_complete(step(False))
+            def loop_step(named: bool) -> None:
+                futs = [comm.allreduce(bufs[i], backend=backend,
+                                       name=names[i] if named else None) for i in range(k)]
+                for fut in futs:
+                    fut.wait()
 
-            def named() -> None:
-                loop.run_until_complete(step(True))
-
-            for _ in range(5):
-                named()
-                unnamed()
-            comm.barrier(backend="mpi").wait()
-            rounds0 = comm._names.rounds
-            iters = _steps(size, k)
-            a, b = alternate(unnamed, named, iters)
-            rounds = (comm._names.rounds - rounds0) / iters
-            ua, nb = statistics.median(a) / k, statistics.median(b) / k
-            rows.append((size, k, ua, nb, rounds))
+            modes = {
+                "tasks": (lambda: loop.run_until_complete(step(False)),
+                          lambda: loop.run_until_complete(step(True))),
+                "loop": (lambda: loop_step(False), lambda: loop_step(True)),
+            }
+            for mode, (unnamed, named) in modes.items():
+                for _ in range(5):
+                    named()
+                    unnamed()
+                comm.barrier(backend="mpi").wait()
+                rounds0 = comm._names.rounds
+                iters = _steps(size, k)
+                a, b = alternate(unnamed, named, iters)
+                rounds = (comm._names.rounds - rounds0) / iters
+                ua, nb = statistics.median(a) / k, statistics.median(b) / k
+                rows.append((mode, size, k, ua, nb, rounds))
     rank = comm.rank
     size_w = comm.size
     mcrdl.finalize()
@@ -82,11 +90,11 @@ def main() -> None:
         return
     print(f"# named vs unnamed allreduce on {backend}, {size_w} ranks, asyncio tasks "
           f"(median per operation, rank 0)")
-    print(f"{'size':>6} {'in flight':>9} | {'unnamed µs':>10} {'named µs':>10} "
+    print(f"{'mode':<5} {'size':>6} {'in flight':>9} | {'unnamed µs':>10} {'named µs':>10} "
           f"{'ratio':>6} {'rounds/step':>11}")
-    for size, k, ua, nb, rounds in rows:
-        print(f"{human(size):>6} {k:>9} | {ua * 1e6:10.2f} {nb * 1e6:10.2f} {nb / ua:6.2f} "
-              f"{rounds:11.2f}")
+    for mode, size, k, ua, nb, rounds in rows:
+        print(f"{mode:<5} {human(size):>6} {k:>9} | {ua * 1e6:10.2f} {nb * 1e6:10.2f} "
+              f"{nb / ua:6.2f} {rounds:11.2f}")
 
 
 if __name__ == "__main__":

@@ -91,6 +91,7 @@ class Communicator:
         self._splits = 0
         self._closed = False
         self._choice_cache: dict[tuple[Any, ...], Any] = {}  # (slot, emulate) or a Router
+        self._sigs: dict[tuple[Any, ...], str] = {}  # named collectives' signatures
 
     # -- identity ------------------------------------------------------------------------
 
@@ -258,9 +259,18 @@ class Communicator:
                            -1 if backend is None else names.index(backend), task)
 
     def _signature(self, kind: OpKind, backend: str, args: tuple[Any, ...]) -> str:
-        """A named collective's signature: what its members must agree on, as text."""
-        return describe(self._fingerprint(0, kind, backend, args), sorted(self._slots),
-                        seq=False)
+        """A named collective's signature: what its members must agree on, as text; kept
+        per (operation, backend, arguments' dtypes and shapes), since a training step names
+        the same shapes every iteration and the text costs a few µs to make."""
+        key = (kind, backend, *((a.dtype, a.obj.shape) if isinstance(a, Buffer) else a
+                                for a in args[1:]))
+        sig = self._sigs.get(key)
+        if sig is None:
+            if len(self._sigs) >= 4096:  # (alltoallv's counts vary: never grow unbounded)
+                self._sigs.clear()
+            sig = self._sigs[key] = describe(self._fingerprint(0, kind, backend, args),
+                                             sorted(self._slots), seq=False)
+        return sig
 
     def _rank_arg(self, name: str, value: Any) -> int:
         if type(value) is not int and not isinstance(value, (int, np.integer)):

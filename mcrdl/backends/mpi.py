@@ -357,7 +357,7 @@ class MPIBackend(Backend):
                 return [(0, BackendError(f"MPI: {exc.Get_error_string()}"))]
             except BackendError as exc:
                 return [(0, exc)]
-        if any(type(r) is _Segmented for r in requests):
+        if _Segmented in map(type, requests):  # (C-level scan: polls see every request)
             return self._test_each(requests)
         statuses = self._statuses
         if len(statuses) < len(requests):

@@ -253,6 +253,10 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
     block_at = policy.block_after(fut.nbytes)
     hand_at = policy.await_block_seconds
     lone = False
+    if fut._route is not None and type(fut._route) is not tuple:
+        # A named operation not yet agreed on: one loop iteration first, in which sibling
+        # tasks submit theirs, so that one agreement round takes them all (Names.ready).
+        yield
     if engine.spin_lone(fut):
         return
     engine.drivers += 1

@@ -25,7 +25,9 @@ area, sized by the largest announcement; it is agreed once every member has publ
 
 When a member posts a round (one in flight at a time), so that every member that has
 something left posts again, and none spins rounds that cannot agree anything:
-- when an operation becomes ready here and no round is in flight;
+- at the engine's next poll after an operation became ready here, if no round is in flight
+  (a waiting task yields once to the event loop first, so that its sibling tasks submit
+  theirs before that poll);
 - at once after a round, if an operation became ready meanwhile, if a member announced
   names (everybody joins the round that publishes them), or if something is left here and
   the round agreed something or this member lacks nothing that another one has left;
@@ -166,8 +168,12 @@ class Names:
             self.unpublished[key] = None  # type: ignore[index]
         if self.current is not None:
             self.changed = True
-        else:
-            self._post()
+        elif self.later is None or self.later > entry[1]:
+            # At the engine's next poll, not now: operations submitted in a burst (asyncio
+            # tasks, each until its first await; a loop of submissions before a wait) then
+            # go in one round instead of one round each.
+            self.later = entry[1]
+            self.engine.defer(self)
 
     def due(self, now: float) -> None:
         """Post the deferred round if its time has come (the engine's polls call this)."""

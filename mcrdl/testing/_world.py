@@ -318,12 +318,12 @@ class SimWorld:
                 # Every awake thread had its turn and nothing moved: let time pass to the
                 # next due operation or waking thread, or report the deadlock.
                 due = [op.ready_at for op in self._pending if op.ready_at is not None]
+                due += self._deadlines()
                 if any(d <= self.step for d in due) and retried != self.step:
                     retried = self.step  # due now, but every poll came before: once more
                     quiet.clear()
                     continue
                 due += [x.wake_at for x in alive if x.wake_at > self.step]
-                due += self._deadlines()
                 later = [d for d in due if d > self.step]
                 if later:
                     self.step = min(later)

@@ -79,3 +79,19 @@ def test_collectives_of_two_tasks_swapped_between_ranks_raise_desync_everywhere(
         assert isinstance(outcome, mcrdl.DesyncError), outcome
         assert "from Task-" in str(outcome)
     comm.barrier().wait()
+
+
+def test_named_collectives_of_tasks_swapped_between_ranks_pass_in_debug_mode(comm):
+    """Named, the same swap is no desync: the members match them by name (rule 8), and the
+    agreement checks their signatures instead of the fingerprint."""
+    async def task(value, name, first):
+        if not first:
+            await asyncio.sleep(0.05)
+        return await comm.allreduce(torch.full((4,), value), backend="mpi", name=name)
+
+    async def main():
+        return await asyncio.gather(task(1.0, "A", comm.rank == 0),
+                                    task(100.0, "B", comm.rank != 0))
+
+    a, b = asyncio.run(main())
+    assert a.tolist() == [comm.size] * 4 and b.tolist() == [100.0 * comm.size] * 4
