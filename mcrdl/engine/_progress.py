@@ -1018,7 +1018,9 @@ class Engine:
     def check_deadlines(self, now: float) -> None:
         """Apply outside signals (``check_signals``); then, at most every ``timeout / 8``
         (0.25 s at most), fail issued operations older than ``timeout`` with
-        CommTimeoutError and bury zombies whose backend has finished with them."""
+        CommTimeoutError, and named operations that waited for agreement that long with
+        DesyncError (`_expire_names`), and bury zombies whose backend has finished with
+        them."""
         self.check_signals()
         if now < self._next_check:
             return
@@ -1030,11 +1032,14 @@ class Engine:
             if timeout is None:
                 return
             limit = now - timeout
-            self._expire_names(limit, timeout)
+            named = [(comm.names, f) for comm in self._comms.values() if comm.names is not None
+                     and comm.broken is None for f in comm.names.expired(limit)]
             expired = [f for t in self._track_list for f, _ in t.items() if f.t_issue < limit]
-            if not expired:
+            if not expired and not named:
                 return
             record = flight_record(self)
+            if named:
+                self._expire_names(named, timeout)
             for fut in expired:
                 why = (fut.lane.backend.describe_wait(fut._request)
                        or "the peers it needs have not all arrived")
@@ -1046,20 +1051,19 @@ class Engine:
             self._run_work()
         self._after_lock()
         if self._on_timeout is not None:
-            self._on_timeout(expired, record)
+            self._on_timeout([f for _, f in named] + expired, record)
 
-    def _expire_names(self, limit: float, timeout: float) -> None:
-        """Fail the named operations that waited for their members' agreement since before
-        ``limit`` with DesyncError naming the members that lack them, and break their
-        communicators (their members do not agree on what runs next)."""
-        for comm in self._comms.values():
-            names = comm.names
-            if names is None or not names.held or comm.broken is not None:
-                continue
-            expired = names.expired(limit)
-            if expired:
-                names.fail([(f, DesyncError(names.why(f, timeout))) for f in expired])
-        self._run_work()
+    @staticmethod
+    def _expire_names(named: list[tuple[Names, CommFuture]], timeout: float) -> None:
+        """Fail the named operations that waited for their members' agreement for
+        ``timeout`` with DesyncError naming the members that lack them, and break their
+        communicators (their members do not agree on what runs next); before the issued
+        operations that timed out, so that this is the cause the peers hear of."""
+        by_names: dict[Names, list[CommFuture]] = {}
+        for names, fut in named:
+            by_names.setdefault(names, []).append(fut)
+        for names, futs in by_names.items():
+            names.fail([(f, DesyncError(names.why(f, timeout))) for f in futs])
 
     # -- operations the engine makes, and named operations' places (lock held) ----------
 

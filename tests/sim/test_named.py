@@ -166,7 +166,8 @@ def test_a_name_with_another_signature_elsewhere_fails_on_every_member(cached):
 def test_a_name_some_member_never_submits_fails_naming_it():
     """Rank 2 never submits "b" and submits "c", which nobody else does: each fails, within
     the timeout, with DesyncError naming the members that lack it (or, where a peer's
-    timeout came first, CommBrokenError naming that one)."""
+    timeout came first, CommBrokenError naming that one); the flight recorder the timeout
+    dumps lists the named operations waiting for agreement."""
     def program(comm):
         a, b = np.ones(2), np.ones(2)
         fa = comm.allreduce(a, name="a")
@@ -176,8 +177,14 @@ def test_a_name_some_member_never_submits_fails_naming_it():
             late.wait()
         return type(info.value).__name__, str(info.value)
 
-    out = _run(3, program, timeout=2.0)
+    world = SimWorld(3, MPI_LIKE, seed=1, timeout=2.0)
+    records = []
+    for runtime in world.runtimes:
+        runtime.engine._on_timeout = lambda expired, record: records.append(record)
+    out = world.run(program)
     assert "DesyncError" in {kind for kind, _ in out}
     for _, text in out:
         assert ("'b'" in text and "rank 2 had not submitted it" in text
                 or "'c'" in text and "ranks 0, 1 had not submitted it" in text), text
+    assert records and all("named operations of world" in r and "waiting for agreement" in r
+                           for r in records), records
