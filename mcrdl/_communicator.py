@@ -39,6 +39,16 @@ _NAMES = {kind: kind.value for kind in OpKind}  # Enum.value is a property: 0.1 
 _MAX_TAG = 32767  # the largest tag every MPI library must accept (MPI_TAG_UB >= 32767)
 
 
+def _check_name(name: Any) -> None:
+    if type(name) is not str:
+        raise TypeError(f"name must be a str, got {name!r}")
+    if not name or "\0" in name or len(name.encode()) > MAX_NAME_BYTES:
+        raise ValueError(
+            f"name={name[:60]!r}: a name must be a non-empty string of at most "
+            f"{MAX_NAME_BYTES} UTF-8 bytes without NUL characters"
+        )
+
+
 def _check_op(op: Any) -> ReduceOp:
     if type(op) is ReduceOp:
         return op
@@ -184,40 +194,26 @@ class Communicator:
         the candidate lanes and the chooser of an operation whose backend is decided later
         (``Engine.submit``); ``slot`` is then only a placeholder among them. ``stream``:
         ``(peer, tag, sends)`` for a send or receive (what its peer matches it among).
-        ``name``: the collective's ``name=``, which its members match it by instead of its
-        position (rule 8; it runs on the backend's named lane).
+        ``name``: the collective's ``name=`` (checked by `_check_name`), which its members
+        match it by instead of its position (rule 8; `mcrdl.engine._names`). Debug mode
+        checks a named collective by its signature, which travels with its name, instead of
+        by its position.
         """
+        if name is not None:  # on its backend's named lane, placed where the members agree
+            _check_name(name)
+            self._seq = seq = self._seq + 1
+            named = self._named[slot.backend.name]
+            fut = CommFuture(_NAMES[kind], named.lane, seq, start, (named.group, *args[1:]),
+                             reads, writes, result, nbytes, finish, hold)
+            fut.name = name
+            sig = self._signature(kind, slot.backend.name, args)
+            return self._engine.submit(fut, after, named=(self._names, sig))
         self._seq = seq = self._seq + 1
-        if name is not None:
-            return self._submit_named(kind, slot, start, args, reads, writes, result, nbytes,
-                                      after, finish, hold, route, name)
         fut = CommFuture(_NAMES[kind], slot.lane, seq, start, args, reads, writes, result,
                          nbytes, finish, hold, stream)
         if self._debug is not None and kind in COLLECTIVES:
             after = self._checked(kind, None if route else slot.backend.name, args, after)
         return self._engine.submit(fut, after, route)
-
-    def _submit_named(self, kind: OpKind, slot: Slot, start: Any, args: tuple[Any, ...],
-                      reads: tuple[tuple[int, int], ...], writes: tuple[tuple[int, int], ...],
-                      result: Any, nbytes: int, after: Sequence[CommFuture], finish: Any,
-                      hold: Any, route: Any, name: Any) -> CommFuture:
-        """Submit a named collective: on its backend's named lane, placed where the members
-        agree (`mcrdl.engine._names`). Debug mode checks it there: its signature travels
-        with its name, and a different one on another member raises DesyncError."""
-        if type(name) is not str:
-            raise TypeError(f"name must be a str, got {name!r}")
-        if not name or "\0" in name or len(name.encode()) > MAX_NAME_BYTES:
-            raise ValueError(
-                f"name={name[:60]!r}: a name must be a non-empty string of at most "
-                f"{MAX_NAME_BYTES} UTF-8 bytes without NUL characters"
-            )
-        assert route is None  # (alltoallv refuses a named routed exchange)
-        named = self._named[slot.backend.name]
-        fut = CommFuture(_NAMES[kind], named.lane, self._seq, start, (named.group, *args[1:]),
-                         reads, writes, result, nbytes, finish, hold)
-        fut.name = name
-        sig = self._signature(kind, slot.backend.name, args)
-        return self._engine.submit(fut, after, named=(self._names, sig))
 
     def _checked(self, kind: OpKind, backend: str | None, args: tuple[Any, ...],
                  after: Sequence[CommFuture]) -> list[CommFuture]:
@@ -586,6 +582,8 @@ class Communicator:
             return self._submit(OpKind.ALLTOALLV, slot, slot.backend.start_alltoallv,
                                 (slot.group, b, send, o, recv), b.ranges, writes, o.obj,
                                 b.nbytes, after, hold=b.obj, name=name)
+        if name is not None:  # (before the exchange, which takes a name made from it)
+            _check_name(name)
         plan = Exchanged(self, b, send, tail, backend, None, name)
         plan.backend = slot.backend
         return self._submit(OpKind.ALLTOALLV, slot, plan.start, (slot.group, b, send, o, recv),

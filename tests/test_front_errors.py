@@ -267,3 +267,16 @@ def test_op_on_a_closed_sub_communicator(backends):
                                               r"rank=1/4 backends=mpi,gloo closed>: the "
                                               r"communicator is closed$"):
         sub.barrier()
+
+
+def test_a_bad_name_is_refused_before_anything_is_submitted():
+    """alltoallv names its counts exchange after the data exchange: a bad name must raise
+    before that exchange is submitted (it would wait for agreement forever)."""
+    with mcrdl.init() as comm:
+        engine = comm.runtime.engine
+        before = engine.stats().submitted
+        with pytest.raises(TypeError, match="name must be a str"):
+            comm.alltoallv(np.ones(1), [1], name=3)
+        with pytest.raises(ValueError, match="non-empty string"):
+            comm.allreduce(np.ones(1), name="")
+        assert engine.stats().submitted == before

@@ -342,14 +342,13 @@ class Names:
 
     def why(self, fut: CommFuture, timeout: float) -> str:
         """Why ``fut`` was not agreed on within ``timeout``: who lacks it."""
-        sig, ready = self.held[fut]
-        assert ready is not None  # (only ready operations expire)
+        sig, ready = self.held[fut]  # (ready: only ready operations expire)
         key = (fut.name, sig)
         me = self.rank
         others = [r for r in range(self.size) if r != me]
         head = (f"named {fut.kind} {fut.name!r} ({sig}) on communicator {self.comm.name} was "
                 f"not agreed on within {timeout:g} s of being ready on rank {me}")
-        if self.last_time < ready:
+        if ready is None or self.last_time < ready:
             who = (f"rank {others[0]} has" if len(others) == 1 else
                    f"one or more of ranks {', '.join(map(str, others))} have")
             return (f"{head}: {who} not submitted it (no agreement round has completed "

@@ -1019,7 +1019,7 @@ class Engine:
         """Apply outside signals (``check_signals``); then, at most every ``timeout / 8``
         (0.25 s at most), fail issued operations older than ``timeout`` with
         CommTimeoutError, and named operations that waited for agreement that long with
-        DesyncError (`_expire_names`), and bury zombies whose backend has finished with
+        DesyncError, and bury zombies whose backend has finished with
         them."""
         self.check_signals()
         if now < self._next_check:
@@ -1032,14 +1032,21 @@ class Engine:
             if timeout is None:
                 return
             limit = now - timeout
-            named = [(comm.names, f) for comm in self._comms.values() if comm.names is not None
-                     and comm.broken is None for f in comm.names.expired(limit)]
+            named: dict[Names, list[CommFuture]] = {}
+            for comm in self._comms.values():
+                if comm.names is not None and comm.broken is None:
+                    futs = comm.names.expired(limit)
+                    if futs:
+                        named[comm.names] = futs
             expired = [f for t in self._track_list for f, _ in t.items() if f.t_issue < limit]
             if not expired and not named:
                 return
             record = flight_record(self)
-            if named:
-                self._expire_names(named, timeout)
+            # Named operations first, so that theirs is the cause the peers hear of: fail
+            # them with DesyncError naming the members that lack them, and break their
+            # communicators (the members do not agree on what runs next).
+            for names, futs in named.items():
+                names.fail([(f, DesyncError(names.why(f, timeout))) for f in futs])
             for fut in expired:
                 why = (fut.lane.backend.describe_wait(fut._request)
                        or "the peers it needs have not all arrived")
@@ -1051,19 +1058,7 @@ class Engine:
             self._run_work()
         self._after_lock()
         if self._on_timeout is not None:
-            self._on_timeout([f for _, f in named] + expired, record)
-
-    @staticmethod
-    def _expire_names(named: list[tuple[Names, CommFuture]], timeout: float) -> None:
-        """Fail the named operations that waited for their members' agreement for
-        ``timeout`` with DesyncError naming the members that lack them, and break their
-        communicators (their members do not agree on what runs next); before the issued
-        operations that timed out, so that this is the cause the peers hear of."""
-        by_names: dict[Names, list[CommFuture]] = {}
-        for names, fut in named:
-            by_names.setdefault(names, []).append(fut)
-        for names, futs in by_names.items():
-            names.fail([(f, DesyncError(names.why(f, timeout))) for f in futs])
+            self._on_timeout([f for futs in named.values() for f in futs] + expired, record)
 
     # -- operations the engine makes, and named operations' places (lock held) ----------
 

@@ -33,28 +33,24 @@ def _count(program):
         len({orders[b] for orders in program.orders}) > 1 for b in range(len(program.blocks)))
 
 
-@settings(max_examples=250, deadline=None, database=None,
+#: The properties' worlds: backends (name -> semantics) and the faults to draw.
+CASES = {
+    "mpi-like": (MPI_LIKE, {}),
+    "every semantics": (SEMANTICS, {}),
+    "faults": (MPI_LIKE, {"min_faults": 1, "max_faults": 2, "faults": FAULTS}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@settings(max_examples=180, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
-@given(programs(backends=tuple(MPI_LIKE), named=True), st.integers(0, 2**16))
-def test_named_blocks_in_per_rank_orders_match_the_reference(program, seed):
-    check_program(program, seed=seed, backends=MPI_LIKE)
-    _count(program)
-
-
-@settings(max_examples=150, deadline=None, database=None,
-          suppress_health_check=list(HealthCheck))
-@given(programs(backends=tuple(SEMANTICS), named=True), st.integers(0, 2**16))
-def test_named_blocks_under_every_semantics_match_the_reference(program, seed):
-    check_program(program, seed=seed, backends=SEMANTICS)
-    _count(program)
-
-
-@settings(max_examples=150, deadline=None, database=None,
-          suppress_health_check=list(HealthCheck))
-@given(programs(backends=tuple(MPI_LIKE), named=True, min_faults=1, max_faults=2,
-                faults=FAULTS), st.integers(0, 2**16))
-def test_named_blocks_with_faults_never_give_wrong_data_or_hang(program, seed):
-    check_program(program, seed=seed, backends=MPI_LIKE)
+@given(st.data(), st.integers(0, 2**16))
+def test_named_blocks_in_per_rank_orders_match_the_reference(case, data, seed):
+    """Every rank's result equals the sequential reference; with faults, every element a
+    correct runtime must have right, and nothing hangs."""
+    backends, faults = CASES[case]
+    program = data.draw(programs(backends=tuple(backends), named=True, **faults))
+    check_program(program, seed=seed, backends=backends)
     _count(program)
 
 
