@@ -48,6 +48,7 @@ break the communicator (rule 7): the members no longer agree on what runs next.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import reduce
 from operator import and_
 from typing import TYPE_CHECKING, Any
@@ -78,6 +79,14 @@ MAX_NAME_BYTES = 1024
 _BACKOFF_MIN = 50e-6
 _BACKOFF_MAX = 2e-3
 _EMPTY: tuple[tuple[int, int], ...] = ()
+
+
+def _bits(mask: int) -> Iterator[int]:
+    """The numbers of the bits set in ``mask``, lowest first."""
+    while mask:
+        low = mask & -mask
+        mask ^= low
+        yield low.bit_length() - 1
 
 
 def _entry(key: tuple[str, str]) -> bytes:
@@ -262,12 +271,7 @@ class Names:
                     published[r][key] = None
                     if r == me:
                         del self.unpublished[key]
-        placed = []
-        bits = everywhere
-        while bits:
-            low = bits & -bits
-            bits ^= low
-            placed.append(self.by_slot.pop(low.bit_length() - 1))
+        placed = [self.by_slot.pop(slot) for slot in _bits(everywhere)]
         self.mask &= ~everywhere
         if any(published):
             for key in [k for k in published[0] if all(k in p for p in published[1:])]:
@@ -317,11 +321,7 @@ class Names:
         if not theirs and not others:
             return False
         lacking = bool(theirs & ~self.mask)
-        keys = self.keys
-        while theirs:
-            low = theirs & -theirs
-            theirs ^= low
-            others.append(keys[low.bit_length() - 1])
+        others.extend(self.keys[slot] for slot in _bits(theirs))
         for key in others:
             name, sig = key
             mine = self.live.get(name)
