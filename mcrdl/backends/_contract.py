@@ -64,6 +64,9 @@ class Capabilities:
         blocking_calls: whether its ``start_*`` calls block until the peers arrive; the
             runtime then runs each group's calls on a thread of its own
             (``backends._threaded``), since the engine never blocks in a backend.
+        issue_window: how many of a lane's collectives may be in flight at once (0: no
+            limit); the next one is issued when one finishes. Sends and receives are never
+            held back or counted: a receive waiting for a send behind it would never end.
     """
 
     ops: frozenset[OpKind]
@@ -77,6 +80,7 @@ class Capabilities:
     blocking_wait: bool = False
     waits_in_threads: bool = False
     blocking_calls: bool = False
+    issue_window: int = 0
 
     def can_reduce(self, op: ReduceOp, dtype: DType) -> bool:
         """Whether ``op`` on ``dtype`` is possible, natively or (AVG) as SUM then divide."""

@@ -2,11 +2,13 @@
 
 A ``SimBackend`` is one rank's view of a simulated transport inside a ``mcrdl.testing.SimWorld``
 (which makes them; the registry knows the name so that it reads like any backend). It moves
-real data (numpy) and declares one of three matching semantics:
+real data (numpy) and declares one of four matching semantics:
 
 - ``"mpi"``: nonblocking starts, independent progress; the k-th collective a member issues on
   a group matches every other member's k-th; an operation finishes once every member has
   issued it (after a delay the world draws from its seed).
+- ``"windowed"``: as ``"mpi"``, with one collective per lane in flight at a time (the engine
+  issues the next when one finishes: ``Capabilities.issue_window``), as the real MPI backend.
 - ``"nccl"``: as ``"mpi"``, but each rank executes a stream's operations in order: an issued
   collective occupies its stream until every member has issued it, and the operations behind
   it wait. A stream is the lane (one per group), or one per backend with ``stream="backend"``
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SEMANTICS", "SimBackend", "SimGroup", "SimOp", "sim_capabilities"]
 
-SEMANTICS = ("mpi", "nccl", "blocking")
+SEMANTICS = ("mpi", "windowed", "nccl", "blocking")
 
 _NUMERIC = frozenset(DType) - {DType.BFLOAT16}
 
@@ -54,6 +56,7 @@ def sim_capabilities(semantics: str) -> Capabilities:
         stream_ordered=semantics == "nccl",
         in_order=semantics == "nccl",
         blocking_calls=semantics == "blocking",
+        issue_window=1 if semantics == "windowed" else 0,
     )
 
 

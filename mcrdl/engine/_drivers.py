@@ -266,9 +266,21 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
                 if poll() and fut._state >= DONE:
                     return
         t0 = _clock()
+        mark = engine._n_polls  # the poll count after this coroutine's last poll (its own)
         while fut._state < DONE:
-            if poll():
+            if engine._n_polls != mark:
+                # Polled by somebody else since this coroutine's last turn: another awaiting
+                # task of the loop drives (or a thread does). One poll per loop iteration is
+                # enough; each more costs its task a poll and a sched_yield for nothing.
+                # (Parking such tasks on asyncio futures until the driver leaves was tried:
+                # no better, 1.70-1.79x against 1.74-1.75x for named 4 B tasks.)
+                mark = engine._n_polls
+                yield
                 continue
+            if poll():
+                mark = engine._n_polls
+                continue
+            mark = engine._n_polls
             now = _clock()
             engine.check_deadlines(engine._clock())
             waited = now - t0

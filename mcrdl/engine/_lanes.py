@@ -94,7 +94,9 @@ class Lane:
 
     Invariants:
     - ``pending`` holds the lane's unissued operations in submission order; only its head may
-      be issued, and only once its dependencies have finished.
+      be issued, and only once its dependencies have finished and, for a collective, fewer
+      than ``window`` of the lane's collectives are in flight.
+    - ``issued`` counts the lane's collectives in flight (issued, not settled).
     - ``history`` holds records of the last ``HISTORY`` operations that finished on this lane.
     - ``comm`` is the communicator the lane belongs to; ``comm.lanes`` holds it.
     """
@@ -117,6 +119,8 @@ class Lane:
         "spins_alone",
         "in_order",
         "named",
+        "window",
+        "issued",
     )
 
     def __init__(self, backend: Backend, group: Any, comm: CommState, name: str,
@@ -151,6 +155,10 @@ class Lane:
         #: Whether the lane runs named operations, placed in the order its members agreed
         #: on (`Names`), not in submission order: only collectives, ordered by ``index``.
         self.named = named
+        #: How many of the lane's collectives may be in flight at once (Capabilities.
+        #: issue_window; no limit: a number never reached), and how many are.
+        self.window: int = backend.capabilities.issue_window or 1 << 62
+        self.issued = 0
 
     def records(self) -> list[OpRecord]:
         """The flight record: the last finished operations of this lane, oldest first."""

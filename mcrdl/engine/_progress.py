@@ -394,7 +394,8 @@ class Engine:
                 self._past_zombies(deps)
             if lane.comm.broken is not None:
                 self._work.append((fut, self._broken_error(fut)))
-            elif not deps and not after and not lane.pending and route is None:
+            elif (not deps and not after and not lane.pending and route is None
+                  and (lane.issued < lane.window or stream is not None)):
                 self._issue(fut, now)
                 self._unindexed = fut
             else:
@@ -420,7 +421,8 @@ class Engine:
             if deps is None:
                 return  # a dependency failed already: fut fails with it (queued in _work)
         routed = fut._route is not None
-        if not deps and not routed and not fut.lane.pending:
+        if (not deps and not routed and not fut.lane.pending
+                and (fut.lane.issued < fut.lane.window or fut.stream is not None)):
             self._issue(fut, self._clock())
             self._unindexed = fut
             return
@@ -503,6 +505,8 @@ class Engine:
         fut.start = fut.args = None  # what stays alive in flight is hold
         fut.t_issue = now
         fut._state = ISSUED
+        if fut.stream is None:
+            fut.lane.issued += 1
         if req is None:  # finished during the start call
             self._work.append((fut, None))
             return
@@ -520,6 +524,8 @@ class Engine:
                 pending.popleft()
                 continue
             if head._deps_left or head._route is not None:
+                return
+            if lane.issued >= lane.window and head.stream is None:
                 return
             self._issue(head, self._clock())
             if head._state == PENDING:
@@ -578,8 +584,13 @@ class Engine:
             self._unfinished -= 1
             self._n_completed += 1
             fut._state = DONE
-            fut.lane.history.append((fut.kind, fut.seq, DONE, fut.nbytes, fut.t_submit,
-                                     fut.t_issue, now, ""))
+            lane = fut.lane
+            lane.history.append((fut.kind, fut.seq, DONE, fut.nbytes, fut.t_submit,
+                                 fut.t_issue, now, ""))
+            if fut.stream is None:
+                lane.issued -= 1
+            if lane.pending:  # its place in the lane's window is free
+                self._pump(lane)
             fut.hold = fut._request = None  # release buffers and scratch space now
             callbacks = fut._callbacks
             fut._callbacks = None
@@ -608,6 +619,8 @@ class Engine:
             self._hazards.remove(fut, fut.reads, fut.writes, error is None)
         self._unfinished -= 1
         lane = fut.lane
+        if state == ISSUED and fut.stream is None:
+            lane.issued -= 1
         if error is None:
             fut._state = DONE
             self._n_completed += 1
@@ -659,6 +672,8 @@ class Engine:
                     route.drop(fut)
             elif lane.pending and lane.pending[0] is fut:
                 self._pump(lane)
+        elif lane.pending:  # its place in the lane's window is free (after any break above)
+            self._pump(lane)
         if fut._dependants:
             self._release(fut, None)
 

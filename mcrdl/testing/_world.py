@@ -135,8 +135,9 @@ class SimWorld:
 
     Args:
         size: number of ranks (1..64).
-        backends: simulated backends by name, each ``"mpi"``, ``"nccl"`` or ``"blocking"``
-            semantics (see ``mcrdl.backends.sim``); names like the real ones make
+        backends: simulated backends by name, each of ``"mpi"``, ``"windowed"``, ``"nccl"``
+            or ``"blocking"`` semantics (see ``mcrdl.backends.sim``; default: mpi windowed,
+            gloo mpi, as the real ones behave); names like the real ones make
             ``backend="auto"`` behave as it does for real.
         seed: fixes the interleaving and every delay.
         max_delay: an operation finishes 0..max_delay scheduler steps after its last member
@@ -172,7 +173,7 @@ class SimWorld:
         if stream not in ("lane", "backend"):
             raise ValueError(f"stream={stream!r}: choose 'lane' or 'backend'")
         self.size = size
-        self.backends = dict(backends or {"mpi": "mpi", "gloo": "mpi"})
+        self.backends = dict(backends or {"mpi": "windowed", "gloo": "mpi"})
         self.seed = seed
         self.rng = np.random.default_rng(seed)
         self.max_delay = max_delay

@@ -23,8 +23,8 @@ from mcrdl.tuning import Entry, TuningTable
 
 from .broken import LaneGoesOnEngine
 
-MPI_LIKE = {"mpi": "mpi", "gloo": "mpi"}
-SEMANTICS = {"mpi": "mpi", "gloo": "mpi", "nccl": "nccl", "blk": "blocking"}
+MPI_LIKE = {"mpi": "windowed", "gloo": "mpi"}
+SEMANTICS = {"mpi": "windowed", "gloo": "mpi", "nccl": "nccl", "blk": "blocking"}
 FIGURES = {"programs": 0, "faults": 0, "failed steps": 0}
 
 

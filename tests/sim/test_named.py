@@ -19,8 +19,8 @@ from mcrdl.testing import FAULTS, SimMismatch, SimWorld, check_program, programs
 
 from .broken import NamesIgnoredEngine
 
-MPI_LIKE = {"mpi": "mpi", "gloo": "mpi"}
-SEMANTICS = {"mpi": "mpi", "gloo": "mpi", "nccl": "nccl", "blk": "blocking"}
+MPI_LIKE = {"mpi": "windowed", "gloo": "mpi"}
+SEMANTICS = {"mpi": "windowed", "gloo": "mpi", "nccl": "nccl", "blk": "blocking"}
 FIGURES = {"programs": 0, "named operations": 0, "blocks": 0,
            "blocks submitted in different orders": 0}
 

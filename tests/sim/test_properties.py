@@ -19,13 +19,13 @@ FAST = settings(max_examples=300, deadline=None, database=None,
 MIXED = settings(max_examples=200, deadline=None, database=None,
                  suppress_health_check=list(HealthCheck))
 
-SEMANTICS = {"mpi": "mpi", "gloo": "mpi", "nccl": "nccl", "blk": "blocking"}
+SEMANTICS = {"mpi": "windowed", "gloo": "mpi", "nccl": "nccl", "blk": "blocking"}
 
 
 @FAST
 @given(programs(backends=("mpi", "gloo")), st.integers(0, 2**16))
 def test_mpi_like_backends_never_deadlock_and_match_the_reference(program, seed):
-    check_program(program, seed=seed, backends={"mpi": "mpi", "gloo": "mpi"})
+    check_program(program, seed=seed, backends={"mpi": "windowed", "gloo": "mpi"})
 
 
 @MIXED

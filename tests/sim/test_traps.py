@@ -86,3 +86,31 @@ def test_gloo_depends_on_mpi_while_another_mpi_is_in_flight(seed):
         return a.tolist(), fb.wait().tolist()
 
     assert world.run(program) == [([2.0] * 4, [2.0] * 8)] * 2
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_receives_posted_before_sends_on_a_windowed_lane(seed):
+    """Every rank receives from its left neighbour before it sends to its right one, with a
+    collective in flight ahead of them, on a backend that issues one collective per lane at
+    a time (``Capabilities.issue_window``, as real MPI does here): sends and receives must
+    not wait for a place in that window, or every receive waits for a send behind it."""
+    world = SimWorld(3, {"mpi": "windowed"}, seed=seed, max_delay=5)
+
+    def program(comm):
+        r, n = comm.rank, comm.size
+        x = np.full(4, float(r + 1))
+        fa = comm.allreduce(x, backend="mpi")
+        inbox = np.zeros(2)
+        fr = comm.recv(inbox, (r - 1) % n, tag=0, backend="mpi")
+        fs = comm.send(np.full(2, float(r)), (r + 1) % n, tag=0, backend="mpi")
+        fb = comm.allreduce(np.ones(3), backend="mpi")
+        lane = comm._slots["mpi"].lane
+        lane_max = lane.issued if len(lane.pending) == 1 else -1  # fb waits for fa
+        fs.wait()
+        fr.wait()
+        return fa.wait().tolist(), inbox.tolist(), fb.wait().tolist(), lane_max
+
+    res = world.run(program)
+    assert [r[:3] for r in res] == [([6.0] * 4, [float((r - 1) % 3)] * 2, [3.0] * 3)
+                                    for r in range(3)]
+    assert all(r[3] == 1 for r in res)  # fa in flight, fb waiting for its place
