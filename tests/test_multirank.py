@@ -105,6 +105,11 @@ def test_named_operations(n):
 
 
 @pytest.mark.parametrize("n", [2, 4])
+def test_torch_distributed_backend(n):
+    run_suite(n, "tests/multirank/test_torch_backend.py")
+
+
+@pytest.mark.parametrize("n", [2, 4])
 def test_generated_programs_on_real_backends(n):
     run_suite(n, "tests/multirank/test_programs.py")
 

@@ -1,0 +1,500 @@
+"""mcrdl as a torch.distributed backend: ``dist.init_process_group("mcrdl")``.
+
+Importing this module registers the backend name ``"mcrdl"`` with torch.distributed. Every
+collective that code written for torch.distributed issues (DDP's bucket allreduces, FSDP2's
+all-gathers and reduce-scatters, ``dist.all_to_all_single``...) then becomes a `CommFuture`
+in mcrdl's engine, on the backend mcrdl picks per operation, and mixes safely with the
+program's own ``comm.*`` calls on the same communicator::
+
+    import mcrdl.torch
+    mcrdl.torch.init_process_group()          # under mpiexec: nothing to export
+    model = DDP(model)
+    comm = mcrdl.torch.communicator()          # mcrdl's Communicator under the default group
+
+Which backend runs a torch collective: the one pinned for the region
+(``with mcrdl.torch.backend("gloo"):``), else the one pinned for its group
+(``mcrdl.torch.set_backend(group, "mpi")``), else mcrdl's own choice (the tuning table under
+``backend="auto"``, or the default order). A region pin is per thread and per asyncio task
+(a context variable): DDP issues its bucket allreduces from the thread that runs backward.
+
+How torch 2.13 sees a backend written in Python (verified against its sources): a subclass of
+``ProcessGroup`` returned by the creator replaces the group outright; it must call the
+two-argument ``ProcessGroup.__init__(rank, size)`` and define ``getBackendName`` and the
+group name and description accessors, which functional collectives and FSDP2 read. Work
+objects are subclasses of ``dist._Work``: ``_create_work_from_future`` would report success
+after a failure, so `Work.wait` here raises mcrdl's own errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import datetime
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._communicator import Communicator
+from ._errors import MCRDLError, UnsupportedOperationError
+from ._runtime import current_runtime, init
+from ._types import ReduceOp
+from .engine import CommFuture
+
+__all__ = ["BACKEND_NAME", "ProcessGroupMCRDL", "backend", "communicator",
+           "init_process_group", "set_backend"]
+
+#: The name torch.distributed knows mcrdl by.
+BACKEND_NAME = "mcrdl"
+
+_region: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "mcrdl_torch_backend", default=None)
+
+#: torch.distributed as this module uses it: the low-level group protocol that
+#: distributed_c10d calls (``allreduce(tensors, opts)``...), which torch's stubs type as the
+#: user-facing overloads instead.
+_c10d: Any = dist
+_RED = _c10d.ReduceOp.RedOpType
+_OPS = {_RED.SUM: ReduceOp.SUM, _RED.PRODUCT: ReduceOp.PROD, _RED.MIN: ReduceOp.MIN,
+        _RED.MAX: ReduceOp.MAX, _RED.AVG: ReduceOp.AVG}
+
+
+@contextlib.contextmanager
+def backend(name: str | None) -> Iterator[None]:
+    """Run the torch collectives issued in this block (this thread or task) on ``name``
+    (``"mpi"``, ``"gloo"``, ``"auto"``; None: mcrdl's choice)."""
+    token = _region.set(name)
+    try:
+        yield
+    finally:
+        _region.reset(token)
+
+
+def set_backend(group: Any, name: str | None) -> None:
+    """Run ``group``'s torch collectives on ``name`` (None: mcrdl's choice) unless a
+    ``backend()`` region says otherwise. ``group``: a process group made by this backend,
+    or None for the default group."""
+    _pg(group).pinned = name
+
+
+def communicator(group: Any = None) -> Communicator:
+    """The mcrdl `Communicator` under ``group`` (None: the default group), to mix the
+    program's own ``comm.*`` calls with what torch.distributed issues on it."""
+    return _pg(group).comm
+
+
+def init_process_group(**kwargs: Any) -> None:
+    """``dist.init_process_group("mcrdl")`` with mcrdl's bootstrap: brings mcrdl up (if it is
+    not up yet: ``kwargs`` go to `mcrdl.init`) and gives torch its world and store, so that
+    nothing needs exporting under ``mpiexec``."""
+    runtime = current_runtime()
+    if runtime is None:
+        init(**kwargs)
+        runtime = current_runtime()
+    elif kwargs:
+        raise MCRDLError(f"mcrdl is up already; init arguments {sorted(kwargs)} would be "
+                         f"ignored: pass them to the first mcrdl.init() only")
+    world = runtime.world  # type: ignore[union-attr]
+    store = runtime.bootstrap.store()  # type: ignore[union-attr]
+    dist.init_process_group(BACKEND_NAME, store=_c10d.PrefixStore("mcrdl.torch", store),
+                            rank=world.rank, world_size=world.size)
+
+
+def _pg(group: Any) -> ProcessGroupMCRDL:
+    pg = _c10d.distributed_c10d._get_default_group() if group is None else group
+    if not isinstance(pg, ProcessGroupMCRDL):
+        raise TypeError(f"{pg!r} is not a process group of backend {BACKEND_NAME!r}; "
+                        f"make it with dist.init_process_group({BACKEND_NAME!r}) or new_group")
+    return pg
+
+
+# -- work ------------------------------------------------------------------------------
+
+
+class _Work(_c10d._Work):  # type: ignore[misc]
+    """A torch Work over mcrdl futures; ``then`` (copy results into torch's tensors) runs once,
+    before the work counts as done for ``wait()`` and for ``get_future()``."""
+
+    def __init__(self, futs: Sequence[CommFuture], result: list[torch.Tensor],
+                 then: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self._futs = list(futs)
+        self._result = result
+        self._then = then
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._settled = False
+
+    def _settle(self) -> BaseException | None:
+        """Collect the futures' outcome and run ``then`` once; the first error, if any."""
+        with self._lock:
+            if not self._settled:
+                for fut in self._futs:
+                    err = fut.exception()
+                    if err is not None and self._error is None:
+                        self._error = err
+                if self._error is None and self._then is not None:
+                    try:
+                        self._then()
+                    except Exception as exc:  # noqa: BLE001 - the work's own failure
+                        self._error = exc
+                self._settled = True
+            return self._error
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        seconds = None
+        if timeout is not None and timeout != datetime.timedelta(0):
+            seconds = timeout.total_seconds()
+        for fut in self._futs:
+            try:
+                fut.wait(seconds)
+            except TimeoutError:
+                raise
+            except Exception:  # noqa: BLE001 - raised below, after every future settled
+                pass
+        error = self._settle()
+        if error is not None:
+            raise error
+        return True
+
+    def is_completed(self) -> bool:
+        return all(f.done() for f in self._futs)
+
+    def is_success(self) -> bool:
+        if not self.is_completed():
+            raise MCRDLError("is_success() on a Work that has not completed; wait() first")
+        return self._settle() is None
+
+    def exception(self) -> BaseException | None:
+        return self._settle() if self.is_completed() else None
+
+    def result(self) -> list[torch.Tensor]:
+        return self._result
+
+    def source_rank(self) -> int:
+        raise MCRDLError("source_rank() is for receives from any source, which the mcrdl "
+                         "backend does not offer")
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        tfut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        left = [len(self._futs)]
+        count = threading.Lock()
+
+        def done(_: CommFuture) -> None:
+            with count:
+                left[0] -= 1
+                if left[0]:
+                    return
+            error = self._settle()
+            if error is None:
+                tfut.set_result(self._result)
+            else:
+                tfut.set_exception(error)  # type: ignore[arg-type]
+
+        for fut in self._futs:
+            fut.add_done_callback(done)
+        return tfut
+
+
+# -- the process group -----------------------------------------------------------------
+
+
+def _op(opts: Any) -> ReduceOp:
+    red = opts.reduceOp
+    kind = getattr(red, "op", red)
+    op = _OPS.get(kind)
+    if op is None:
+        raise UnsupportedOperationError(
+            f"reduce op {kind} is not supported by the mcrdl backend; it reduces with SUM, "
+            f"PRODUCT, MIN, MAX and AVG (PREMUL_SUM: multiply the tensors first, then SUM)")
+    return op
+
+
+def _each(one: Callable[[torch.Tensor, torch.Tensor, Any], _Work], outputs: list[torch.Tensor],
+          inputs: list[torch.Tensor], opts: Any) -> _Work:
+    """A coalesced call: ``one`` per (output, input) pair, as one Work."""
+    works = [one(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+    return _Work([f for w in works for f in w._futs], outputs)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a leading dimension (a 0-d tensor as 1 element), sharing its memory."""
+    return t.reshape(1) if t.dim() == 0 else t
+
+
+class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
+    """A torch.distributed process group whose collectives run in mcrdl's engine on
+    ``comm``. Group ranks are ``comm``'s ranks."""
+
+    def __init__(self, comm: Communicator, rank: int, size: int) -> None:
+        super().__init__(rank, size)
+        self.comm = comm
+        #: The backend this group's collectives run on (None: mcrdl's choice).
+        self.pinned: str | None = None
+        self._group_name = ""
+        self._group_desc = ""
+
+    # -- names torch reads ---------------------------------------------------------------
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND_NAME
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def _backend(self) -> str | None:
+        region = _region.get()
+        return region if region is not None else self.pinned
+
+    # -- collectives ---------------------------------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+        op = ReduceOp.SUM if opts is None else _op(opts)
+        b = self._backend()
+        return _Work([self.comm.allreduce(t, op, backend=b) for t in tensors], tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+        root = 0 if opts is None else opts.rootRank
+        b = self._backend()
+        return _Work([self.comm.broadcast(t, root, backend=b) for t in tensors], tensors)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+        op = _op(opts)
+        b = self._backend()
+        return _Work([self.comm.reduce(t, opts.rootRank, op, backend=b) for t in tensors],
+                     tensors)
+
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                  opts: Any = None) -> _Work:
+        b = self._backend()
+        futs = []
+        for inp, outputs in zip(inputs, output_lists):
+            self._check_list("allgather", outputs, inp)
+            futs.append(self.comm.allgather(_rows(inp), backend=b))
+
+        def then() -> None:
+            for fut, inp, outputs in zip(futs, inputs, output_lists):
+                flat = fut.result()
+                n = _rows(inp).shape[0]
+                for i, o in enumerate(outputs):
+                    o.copy_(flat[i * n:(i + 1) * n].reshape(o.shape))
+
+        return _Work(futs, [o for outputs in output_lists for o in outputs], then)
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
+                            inputs: list[torch.Tensor], opts: Any = None) -> _Work:
+        return self.allgather(output_lists, inputs, opts)
+
+    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor,
+                          opts: Any = None) -> _Work:
+        src = _rows(inp)
+        out = self._view(output, (src.shape[0] * self.comm.size, *src.shape[1:]), "output")
+        return _Work([self.comm.allgather(src, out=out, backend=self._backend())], [output])
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
+                                    inputs: list[torch.Tensor], opts: Any = None) -> _Work:
+        return _each(self.all_gather_single, outputs, inputs, opts)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+                       opts: Any = None) -> _Work:
+        op = ReduceOp.SUM if opts is None else _op(opts)
+        b = self._backend()
+        futs = []
+        for out, inputs in zip(outputs, input_lists):
+            self._check_list("reduce_scatter", inputs, out)
+            src = torch.cat([_rows(t) for t in inputs])
+            futs.append(self.comm.reduce_scatter(src, op, out=_rows(out), backend=b))
+        return _Work(futs, outputs)
+
+    def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor,
+                              opts: Any = None) -> _Work:
+        op = ReduceOp.SUM if opts is None else _op(opts)
+        out = _rows(output)
+        src = self._view(inp, (out.shape[0] * self.comm.size, *out.shape[1:]), "input")
+        return _Work([self.comm.reduce_scatter(src, op, out=out, backend=self._backend())],
+                     [output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None) -> _Work:
+        return _each(self.reduce_scatter_single, outputs, inputs, opts)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                 opts: Any = None) -> _Work:
+        n = self.comm.size
+        if len(inputs) != n or len(outputs) != n:
+            raise ValueError(f"all_to_all takes {n} input and {n} output tensors (one per "
+                             f"rank); got {len(inputs)} and {len(outputs)}")
+        dtypes = {t.dtype for t in (*inputs, *outputs)}
+        if len(dtypes) != 1:
+            raise ValueError(f"all_to_all's tensors must share one dtype; got {sorted(map(str, dtypes))}")
+        send = torch.cat([t.reshape(-1) for t in inputs])
+        recv = torch.empty(sum(t.numel() for t in outputs), dtype=outputs[0].dtype)
+        fut = self.comm.alltoallv(send, [t.numel() for t in inputs],
+                                  [t.numel() for t in outputs], out=recv,
+                                  backend=self._backend())
+
+        def then() -> None:
+            at = 0
+            for o in outputs:
+                o.copy_(recv[at:at + o.numel()].reshape(o.shape))
+                at += o.numel()
+
+        return _Work([fut], outputs, then)
+
+    def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor,
+                          output_split_sizes: list[int], input_split_sizes: list[int],
+                          opts: Any = None) -> _Work:
+        b = self._backend()
+        if not output_split_sizes and not input_split_sizes:
+            fut = self.comm.alltoall(_rows(inp), out=_rows(output), backend=b)
+        else:
+            n = self.comm.size
+            send = input_split_sizes or self._even(inp, n, "input")
+            recv = output_split_sizes or self._even(output, n, "output")
+            fut = self.comm.alltoallv(_rows(inp), send, recv, out=_rows(output), backend=b)
+        return _Work([fut], [output])
+
+    alltoall_base = all_to_all_single
+
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+               opts: Any) -> _Work:
+        root = opts.rootRank
+        (inp,) = inputs
+        mine = self.comm.rank == root
+        if mine:
+            self._check_list("gather", output_lists[0], inp)
+        fut = self.comm.gather(_rows(inp), root, backend=self._backend())
+
+        def then() -> None:
+            flat = fut.result()
+            n = _rows(inp).shape[0]
+            for i, o in enumerate(output_lists[0]):
+                o.copy_(flat[i * n:(i + 1) * n].reshape(o.shape))
+
+        return _Work([fut], output_lists[0] if mine else [], then if mine else None)
+
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+                opts: Any) -> _Work:
+        root = opts.rootRank
+        (out,) = outputs
+        if self.comm.rank == root:
+            self._check_list("scatter", input_lists[0], out)
+            src: torch.Tensor | None = torch.cat([_rows(t) for t in input_lists[0]])
+        else:
+            src = None
+        fut = self.comm.scatter(src, root, out=_rows(out), backend=self._backend())
+        return _Work([fut], outputs)
+
+    def barrier(self, opts: Any = None) -> _Work:
+        return _Work([self.comm.barrier(backend=self._backend())], [])
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _Work:
+        b = self._backend()
+        return _Work([self.comm.send(t, dst, tag, backend=b) for t in tensors], tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> _Work:
+        b = self._backend()
+        return _Work([self.comm.recv(t, src, tag, backend=b) for t in tensors], tensors)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> _Work:
+        raise UnsupportedOperationError(
+            "the mcrdl backend receives from a named rank only (peers match sends and "
+            "receives by stream); pass src= to dist.recv")
+
+    # -- argument checks -----------------------------------------------------------------
+
+    def _check_list(self, what: str, tensors: list[torch.Tensor], like: torch.Tensor) -> None:
+        n = self.comm.size
+        if len(tensors) != n:
+            raise ValueError(f"{what} takes a list of {n} tensors (one per rank) on this "
+                             f"group; got {len(tensors)}")
+        for t in tensors:
+            if t.shape != like.shape or t.dtype != like.dtype:
+                raise ValueError(f"{what}: every tensor of the list must have the shape and "
+                                 f"dtype of the input ({tuple(like.shape)}, {like.dtype}); got "
+                                 f"({tuple(t.shape)}, {t.dtype})")
+
+    @staticmethod
+    def _view(t: torch.Tensor, shape: tuple[int, ...], what: str) -> torch.Tensor:
+        numel = 1
+        for d in shape:
+            numel *= d
+        if t.numel() != numel:
+            raise ValueError(f"the {what} tensor has {t.numel()} elements; this collective "
+                             f"needs {numel} (shape {shape}) on a group of this size")
+        if not t.is_contiguous():
+            raise ValueError(f"the {what} tensor is not contiguous; pass .contiguous()")
+        return t.view(shape)
+
+    @staticmethod
+    def _even(t: torch.Tensor, n: int, what: str) -> list[int]:
+        rows = _rows(t).shape[0]
+        if rows % n:
+            raise ValueError(f"all_to_all_single: the {what} tensor's {rows} rows do not "
+                             f"split evenly over {n} ranks; pass split sizes")
+        return [rows // n] * n
+
+
+# -- registration ----------------------------------------------------------------------
+
+
+def _create(opts: Any, backend_options: Any = None) -> ProcessGroupMCRDL:
+    """torch.distributed's creator for backend "mcrdl" (extended API: ``opts`` carries the
+    store, the group's rank and size, its name and its members' global ranks)."""
+    runtime = current_runtime()
+    if runtime is None:
+        init()
+        runtime = current_runtime()
+    world = runtime.world  # type: ignore[union-attr]
+    ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
+    if len(ranks) == world.size and ranks == list(range(world.size)):
+        comm = world
+    else:
+        comm = runtime.make_communicator(  # type: ignore[union-attr]
+            world, f"torch.{opts.group_id}", ranks)
+    if comm.rank != opts.group_rank or comm.size != opts.group_size:
+        raise MCRDLError(
+            f"torch.distributed's group {opts.group_id!r} has this process as rank "
+            f"{opts.group_rank} of {opts.group_size}, but mcrdl's world makes it rank "
+            f"{comm.rank} of {comm.size}: start torch.distributed from mcrdl's bootstrap "
+            f"(mcrdl.torch.init_process_group()) so that both number the ranks alike")
+    return ProcessGroupMCRDL(comm, comm.rank, comm.size)
+
+
+dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
