@@ -70,4 +70,6 @@ def test_tune_writes_a_table_that_init_accepts(tmp_path):
         assert key in table.provenance
     first = [e for e in table.entries if e.op == "allreduce"][0]
     assert first.min_bytes == 0 and set(first.latency_us) == {"mpi", "gloo"}
-    assert first.margin >= 1.0
+    # Runner-up over winner: at least 1, except where a single noisy size was given its
+    # neighbours' choice (within the table's noise factor, 1.10): then down to 1/1.10.
+    assert first.margin >= round(1 / 1.10, 3)
