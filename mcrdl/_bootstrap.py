@@ -7,6 +7,10 @@
   broadcasts the port. No MASTER_ADDR/MASTER_PORT needed.
 - ``torchrun`` (``TORCHELASTIC_RUN_ID``, or ``RANK``/``WORLD_SIZE``): no MPI; the store is the
   launcher's rendezvous (``env://``).
+- a store given to ``init(store=, rank=, world_size=)`` (``"store"``: torch.distributed started
+  first, e.g. ``dist.init_process_group("mcrdl", store=...)`` under torch's test harness): no
+  MPI; rank 0 serves a TCPStore of mcrdl's own on the agreed host and publishes its address
+  through the given store (mcrdl needs a store with queues, which a FileStore lacks).
 - anything else: a world of one, with an in-process store.
 """
 
@@ -27,6 +31,8 @@ __all__ = ["Bootstrap", "detect_launcher"]
 
 _MPI_VARS = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
 _LOOPBACK = "127.0.0.1"
+#: Runtimes brought up from a given store in this process (keys of each bring-up apart).
+_generation = 0
 
 
 def detect_launcher(environ: Mapping[str, str] | None = None) -> str:
@@ -63,15 +69,25 @@ class Bootstrap:
         timeout: seconds a bring-up step may block.
     """
 
-    def __init__(self, config: Config, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(self, config: Config, environ: Mapping[str, str] | None = None,
+                 given: tuple[Any, int, int] | None = None) -> None:
         env = os.environ if environ is None else environ
-        self.launcher = detect_launcher(env)
+        self.launcher = detect_launcher(env) if given is None else "store"
         self.timeout = config.timeout or 1800.0
         self._store: Any = None
         self._mpi_comm: Any = None
+        self._given: Any = None
         #: Called (from a signal handler: flag-setting only) when a peer process dies.
         self.on_peer_failure: list[Any] = []
-        if self.launcher == "mpi":
+        if given is not None:
+            self._given, self.rank, self.size = given
+            global _generation
+            _generation += 1  # every rank brings mcrdl up as often: the same keys everywhere
+            self._prefix = f"mcrdl/{_generation}/"
+            names = self._exchange("host", socket.gethostname())
+            self.local_size = names.count(names[self.rank])
+            one_host = len(set(names)) == 1
+        elif self.launcher == "mpi":
             try:
                 MPI = import_mpi()
             except ImportError as exc:
@@ -120,6 +136,14 @@ class Bootstrap:
             self._store = self._make_store()
         return self._store
 
+    def _exchange(self, what: str, value: str) -> list[str]:
+        """Every rank's ``value`` through the given store, in rank order."""
+        store = self._given
+        store.set(f"{self._prefix}{what}/{self.rank}", value)
+        keys = [f"{self._prefix}{what}/{r}" for r in range(self.size)]
+        store.wait(keys, datetime.timedelta(seconds=self.timeout))
+        return [store.get(k).decode() for k in keys]
+
     def _make_store(self) -> Any:
         import torch.distributed as dist
 
@@ -130,27 +154,43 @@ class Bootstrap:
             rdv = dist.rendezvous  # type: ignore[attr-defined]
             store, _, _ = next(rdv("env://", self.rank, self.size, timeout=timeout))
             return store
+        if self.launcher == "store":
+            if self.rank == 0:
+                store, port = self._serve(timeout)
+                self._given.set(f"{self._prefix}store", f"{self.host} {port}")
+                return store
+            key = f"{self._prefix}store"
+            self._given.wait([key], timeout)
+            host, port = self._given.get(key).decode().split()
+            return dist.TCPStore(host, int(port), self.size, False, timeout)  # type: ignore[attr-defined]
         comm = self._mpi_comm
         if self.rank == 0:
-            # Bind the listening socket ourselves: TCPStore alone listens on every interface.
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self.host, 0))
-            sock.listen(max(self.size, 16))
-            port = sock.getsockname()[1]
+            store, port = self._serve(timeout)
             comm.bcast((self.host, port), root=0)
-            store = dist.TCPStore(  # type: ignore[attr-defined]
-                self.host, port, self.size, True, timeout,
-                wait_for_workers=False, master_listen_fd=sock.detach())
         else:
             host, port = comm.bcast(None, root=0)
             store = dist.TCPStore(host, port, self.size, False, timeout)  # type: ignore[attr-defined]
         comm.Barrier()
         return store
 
+    def _serve(self, timeout: datetime.timedelta) -> tuple[Any, int]:
+        """Rank 0's TCPStore server on ``host`` (bound here: TCPStore alone listens on every
+        interface), and its port."""
+        import torch.distributed as dist
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, 0))
+        sock.listen(max(self.size, 16))
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            self.host, port, self.size, True, timeout,
+            wait_for_workers=False, master_listen_fd=sock.detach())
+        return store, port
+
     def close(self) -> None:
         """Release the bootstrap's MPI communicator and store."""
         if self._mpi_comm is not None:
             self._mpi_comm.Free()
             self._mpi_comm = None
-        self._store = None
+        self._store = self._given = None

@@ -42,7 +42,8 @@ _atexit_registered = False
 #: What a rank's tuning check says it holds (the first byte of its digest).
 _NONE, _TABLE, _UNREADABLE = 0, 1, 2
 #: Backends a launcher can bring up by default, in bring-up order.
-_DEFAULTS = {"mpi": ("mpi", "gloo"), "single": ("mpi", "gloo"), "torchrun": ("gloo",)}
+_DEFAULTS = {"mpi": ("mpi", "gloo"), "single": ("mpi", "gloo"), "torchrun": ("gloo",),
+             "store": ("gloo",)}
 
 
 class Runtime:
@@ -312,6 +313,9 @@ def init(
     progress_thread: bool | None = None,
     flight_recorder: str | None = None,
     host: str | None = None,
+    store: Any = None,
+    rank: int | None = None,
+    world_size: int | None = None,
 ) -> Communicator:
     """Bring up every available backend and return the world communicator.
 
@@ -329,6 +333,9 @@ def init(
         flight_recorder: where timeouts dump the flight recorder (``"stderr"`` or a path;
             ``{rank}`` in a path is replaced by the rank).
         host: address to bind and advertise instead of the default.
+        store, rank, world_size: bring the world up from a torch.distributed store shared by
+            ``world_size`` processes (this one being ``rank``), as torch's own
+            ``init_process_group(store=...)`` does, instead of from the launcher: gloo only.
 
     Raises:
         MCRDLError: a runtime is live already (use its communicator, or finalize first).
@@ -344,7 +351,15 @@ def init(
         config = Config.load(backends=backends, timeout=timeout, debug=debug, tuning=tuning,
                              progress_thread=progress_thread, flight_recorder=flight_recorder,
                              host=host)
-        bootstrap = Bootstrap(config)
+        given = None
+        if store is not None or rank is not None or world_size is not None:
+            if store is None or rank is None or world_size is None:
+                raise ValueError(f"init(store=, rank=, world_size=) go together; got store="
+                                 f"{store!r}, rank={rank!r}, world_size={world_size!r}")
+            if not 0 <= rank < world_size:
+                raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+            given = (store, rank, world_size)
+        bootstrap = Bootstrap(config, given=given)
         names = config.backends or _DEFAULTS[bootstrap.launcher]
         up: dict[str, Backend] = {}
         for name in names:

@@ -1,5 +1,11 @@
 """mcrdl as a torch.distributed backend: ``dist.init_process_group("mcrdl")``.
 
+Under ``mpiexec``, `init_process_group` here starts both from mcrdl's bootstrap (nothing to
+export). Started the torch way instead (torchrun, or a store given to
+``dist.init_process_group("mcrdl", store=..., rank=..., world_size=...)`` as torch's test
+harness does), mcrdl comes up from torch's store on the first group: gloo only, or MPI and
+gloo when an MPI launcher started the processes and its world matches.
+
 Importing this module registers the backend name ``"mcrdl"`` with torch.distributed. Every
 collective that code written for torch.distributed issues (DDP's bucket allreduces, FSDP2's
 all-gathers and reduce-scatters, ``dist.all_to_all_single``...) then becomes a `CommFuture`
@@ -37,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._bootstrap import detect_launcher
 from ._communicator import Communicator
 from ._errors import MCRDLError, UnsupportedOperationError
 from ._runtime import current_runtime, init
@@ -478,11 +485,17 @@ def _create(opts: Any, backend_options: Any = None) -> ProcessGroupMCRDL:
     """torch.distributed's creator for backend "mcrdl" (extended API: ``opts`` carries the
     store, the group's rank and size, its name and its members' global ranks)."""
     runtime = current_runtime()
+    ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
     if runtime is None:
-        init()
+        if detect_launcher() == "mpi":  # MPI's world, with gloo bootstrapped through it
+            init()
+        elif ranks == list(range(opts.group_size)):  # torch's world: bring mcrdl up from it
+            init(store=opts.store, rank=opts.group_rank, world_size=opts.group_size)
+        else:
+            raise MCRDLError(f"torch.distributed made group {opts.group_id!r} of ranks "
+                             f"{ranks} before mcrdl was up; start with the default group")
         runtime = current_runtime()
     world = runtime.world  # type: ignore[union-attr]
-    ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
     if len(ranks) == world.size and ranks == list(range(world.size)):
         comm = world
     else:

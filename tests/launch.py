@@ -49,10 +49,10 @@ def run_ranks(n: int, argv: list[str], *, timeout: float, env: dict[str, str] | 
 
 
 def run_suite(n: int, suite: str, *, timeout: float = 600, extra: list[str] | None = None,
-              env: dict[str, str] | None = None) -> str:
+              env: dict[str, str] | None = None, launcher: str = "mpi") -> str:
     argv = ["-m", "pytest", suite, "-q", "-p", "no:cacheprovider", "-x",
             "--timeout", str(int(timeout * 0.8)), "--timeout-method", "thread", *(extra or [])]
-    proc = run_ranks(n, argv, timeout=timeout, env=env)
+    proc = run_ranks(n, argv, timeout=timeout, env=env, launcher=launcher)
     if proc.returncode != 0:
         raise AssertionError(
             f"{suite} failed at {n} ranks (exit {proc.returncode}):\n"

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 
 import pytest
 
-from tests.launch import run_ranks, run_suite
+from tests.launch import ROOT, run_ranks, run_suite
 
 pytestmark = pytest.mark.multirank
 
@@ -107,6 +108,28 @@ def test_named_operations(n):
 @pytest.mark.parametrize("n", [2, 4])
 def test_torch_distributed_backend(n):
     run_suite(n, "tests/multirank/test_torch_backend.py")
+
+
+def test_torch_distributed_backend_from_a_file_store(tmp_path):
+    """Plain processes and a FileStore, as torch's own test harness runs ranks."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "PMI_RANK", "PMI_SIZE")}
+    env.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MCRDL_TIMEOUT": "30"})
+    procs = [subprocess.Popen([sys.executable, "tests/multirank/torch_store_check.py",
+                               str(tmp_path / "store"), str(r), "2"], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"rank={r} size=2 ok" in out, out[-4000:]
+
+
+def test_torch_distributed_backend_started_by_torch_under_torchrun():
+    """dist.init_process_group("mcrdl") first, from torchrun's env:// store: mcrdl comes up
+    from it (gloo only), and the suite runs again (what needs MPI skips)."""
+    out = run_suite(2, "tests/multirank/test_torch_backend.py", launcher="torchrun",
+                    env={"MCRDL_TORCH_FIRST": "1"})
+    assert "passed" in out
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -115,6 +115,22 @@ def test_init_twice_is_refused_and_reinit_after_finalize_works():
         mcrdl.finalize()
 
 
+def test_init_from_a_given_store():
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match=r"init\(store=, rank=, world_size=\) go together.*rank=None"):
+        mcrdl.init(store=dist.HashStore())
+    with pytest.raises(ValueError, match=r"rank=2 must be in \[0, world_size=2\)"):
+        mcrdl.init(store=dist.HashStore(), rank=2, world_size=2)
+    assert mcrdl.current_runtime() is None
+    comm = mcrdl.init(store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert comm.backends == ("gloo",) and comm.size == 1
+        assert comm.allreduce(torch.ones(2)).wait().tolist() == [1.0, 1.0]
+    finally:
+        mcrdl.finalize()
+
+
 def test_unknown_backend_at_init():
     with pytest.raises(UnknownBackendError, match=r"^unknown backend 'glo'; known: gloo, mpi, sim$"):
         mcrdl.init(backends=["glo"])

@@ -4,6 +4,8 @@ communication, DDP mixed with the program's own comm.* calls, and the error path
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,10 +17,23 @@ BACKENDS = ["mpi", "gloo", None]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def pg(world):
-    mcrdl.torch.init_process_group()
+def pg():
+    """mcrdl first (mcrdl.torch.init_process_group(), under mpiexec), or, with
+    MCRDL_TORCH_FIRST=1, torch first: dist.init_process_group("mcrdl") from torch's env://
+    store (under torchrun), mcrdl coming up from it."""
+    if os.environ.get("MCRDL_TORCH_FIRST") == "1":
+        dist.init_process_group("mcrdl")
+    else:
+        mcrdl.torch.init_process_group()
     yield dist.distributed_c10d._get_default_group()
     dist.destroy_process_group()
+    mcrdl.finalize()
+
+
+def _need(*backends):
+    missing = set(backends) - set(mcrdl.torch.communicator().backends) - {None}
+    if missing:
+        pytest.skip(f"{sorted(missing)} not up under this launcher")
 
 
 def _ran_on(comm, fn):
@@ -32,6 +47,7 @@ def _ran_on(comm, fn):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_collectives_of_every_kind(backend):
+    _need(backend)
     r, n = dist.get_rank(), dist.get_world_size()
     with mcrdl.torch.backend(backend):
         t = torch.full((5,), float(r + 1))
@@ -150,6 +166,7 @@ def test_a_subgroup_and_a_device_mesh():
 
 
 def test_pins_choose_the_backend():
+    _need("mpi", "gloo")
     comm = mcrdl.torch.communicator()
     t = torch.ones(4)
     with mcrdl.torch.backend("gloo"):
@@ -187,6 +204,7 @@ def _reference(n, steps):
 
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_ddp_trains_like_one_process(backend):
+    _need(backend)
     r, n = dist.get_rank(), dist.get_world_size()
     steps = 3
     model = _model()
@@ -208,6 +226,7 @@ def test_ddp_trains_like_one_process(backend):
 def test_ddp_on_mpi_mixed_with_the_programs_own_alltoall_on_gloo():
     """One step: DDP's allreduces (mpi) during backward, the program's own alltoall (gloo) on
     the same communicator in flight across it; both results checked."""
+    _need("mpi", "gloo")
     r, n = dist.get_rank(), dist.get_world_size()
     comm = mcrdl.torch.communicator()
     model = _model()
@@ -244,6 +263,7 @@ def test_a_failed_operation_fails_its_work():
     """A receive into a buffer smaller than the message fails on its own (the peers matched
     it): wait() raises the backend's error, is_success() and exception() say so, and the
     future fails too."""
+    _need("mpi")
     r = dist.get_rank()
     if r == 0:
         dist.send(torch.arange(4.0), dst=1, tag=9)
