@@ -226,6 +226,11 @@ def _each(one: Callable[[torch.Tensor, torch.Tensor, Any], _Work], outputs: list
     return _Work([f for w in works for f in w._futs], outputs)
 
 
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of one storage (torch's in-place collectives)."""
+    return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` with a leading dimension (a 0-d tensor as 1 element), sharing its memory."""
     return t.reshape(1) if t.dim() == 0 else t
@@ -324,6 +329,10 @@ class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
                           opts: Any = None) -> _Work:
         src = _rows(inp)
         out = self._view(output, (src.shape[0] * self.comm.size, *src.shape[1:]), "output")
+        if _shares(src, out):
+            # In place, as torch allows (FSDP2 gathers its shard from inside the output):
+            # mcrdl's operations never read what they write, so the shard is copied first.
+            src = src.clone()
         return _Work([self.comm.allgather(src, out=out, backend=self._backend())], [output])
 
     _allgather_base = all_gather_single
@@ -350,6 +359,8 @@ class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
         op = ReduceOp.SUM if opts is None else _op(opts)
         out = _rows(output)
         src = self._view(inp, (out.shape[0] * self.comm.size, *out.shape[1:]), "input")
+        if _shares(src, out):
+            src = src.clone()
         return _Work([self.comm.reduce_scatter(src, op, out=out, backend=self._backend())],
                      [output])
 

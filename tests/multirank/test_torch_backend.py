@@ -248,6 +248,42 @@ def test_ddp_on_mpi_mixed_with_the_programs_own_alltoall_on_gloo():
         torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6)
 
 
+def test_in_place_all_gather_single():
+    """The input is this rank's slot of the output, as torch allows and FSDP2 does."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = torch.zeros(2 * n)
+    out[2 * r:2 * r + 2] = float(r + 1)
+    dist.all_gather_single(out, out[2 * r:2 * r + 2])
+    assert out.tolist() == [float(i + 1) for i in range(n) for _ in range(2)]
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_fsdp2_trains_like_one_process(backend):
+    from torch.distributed.fsdp import fully_shard
+
+    _need(backend)
+    r, n = dist.get_rank(), dist.get_world_size()
+    steps = 3
+    model = _model()
+    mcrdl.torch.set_backend(None, backend)
+    try:
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in _batches(n, steps):
+            opt.zero_grad()
+            xs, ys = x[4 * r:4 * (r + 1)], y[4 * r:4 * (r + 1)]
+            torch.nn.functional.mse_loss(model(xs), ys).backward()
+            opt.step()
+        full = [p.full_tensor() for p in model.parameters()]
+    finally:
+        mcrdl.torch.set_backend(None, None)
+    for got, want in zip(full, _reference(n, steps)):
+        torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_bad_arguments_raise_at_the_call():
     n = dist.get_world_size()
     with pytest.raises(ValueError, match=f"list of {n} tensors"):
