@@ -208,15 +208,22 @@ class _Work(_c10d._Work):  # type: ignore[misc]
 # -- the process group -----------------------------------------------------------------
 
 
-def _op(opts: Any) -> ReduceOp:
+def _op(opts: Any) -> tuple[ReduceOp, Any]:
+    """mcrdl's reduce op for torch's ``opts.reduceOp``, and PREMUL_SUM's factor (else None):
+    PREMUL_SUM runs as SUM over the inputs multiplied by the factor (a number, or a tensor
+    of one element, possibly different on each rank)."""
+    if opts is None:
+        return ReduceOp.SUM, None
     red = opts.reduceOp
     kind = getattr(red, "op", red)
+    if kind == _RED.PREMUL_SUM:
+        return ReduceOp.SUM, red.factor
     op = _OPS.get(kind)
     if op is None:
         raise UnsupportedOperationError(
             f"reduce op {kind} is not supported by the mcrdl backend; it reduces with SUM, "
-            f"PRODUCT, MIN, MAX and AVG (PREMUL_SUM: multiply the tensors first, then SUM)")
-    return op
+            f"PRODUCT, MIN, MAX, AVG and PREMUL_SUM")
+    return op, None
 
 
 def _each(one: Callable[[torch.Tensor, torch.Tensor, Any], _Work], outputs: list[torch.Tensor],
@@ -286,7 +293,10 @@ class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
     # -- collectives ---------------------------------------------------------------------
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
-        op = ReduceOp.SUM if opts is None else _op(opts)
+        op, factor = _op(opts)
+        if factor is not None:
+            for t in tensors:  # (the result overwrites them anyway)
+                t.mul_(factor)
         b = self._backend()
         return _Work([self.comm.allreduce(t, op, backend=b) for t in tensors], tensors)
 
@@ -299,10 +309,21 @@ class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
         return _Work([self.comm.broadcast(t, root, backend=b) for t in tensors], tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
-        op = _op(opts)
+        op, factor = _op(opts)
         b = self._backend()
-        return _Work([self.comm.reduce(t, opts.rootRank, op, backend=b) for t in tensors],
-                     tensors)
+        root = opts.rootRank
+        if factor is None:
+            return _Work([self.comm.reduce(t, root, op, backend=b) for t in tensors], tensors)
+        # Scaled copies: the inputs of the other ranks stay as they were.
+        scaled = [t * factor for t in tensors]
+        futs = [self.comm.reduce(s, root, op, backend=b) for s in scaled]
+
+        def then() -> None:
+            if self.comm.rank == root:
+                for t, s in zip(tensors, scaled):
+                    t.copy_(s)
+
+        return _Work(futs, tensors, then)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> _Work:
@@ -345,21 +366,25 @@ class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                        opts: Any = None) -> _Work:
-        op = ReduceOp.SUM if opts is None else _op(opts)
+        op, factor = _op(opts)
         b = self._backend()
         futs = []
         for out, inputs in zip(outputs, input_lists):
             self._check_list("reduce_scatter", inputs, out)
             src = torch.cat([_rows(t) for t in inputs])
+            if factor is not None:
+                src.mul_(factor)
             futs.append(self.comm.reduce_scatter(src, op, out=_rows(out), backend=b))
         return _Work(futs, outputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor,
                               opts: Any = None) -> _Work:
-        op = ReduceOp.SUM if opts is None else _op(opts)
+        op, factor = _op(opts)
         out = _rows(output)
         src = self._view(inp, (out.shape[0] * self.comm.size, *out.shape[1:]), "input")
-        if _shares(src, out):
+        if factor is not None:
+            src = src * factor
+        elif _shares(src, out):
             src = src.clone()
         return _Work([self.comm.reduce_scatter(src, op, out=out, backend=self._backend())],
                      [output])

@@ -59,6 +59,15 @@ def test_collectives_of_every_kind(backend):
             t = torch.full((3,), float(r + 1))
             dist.all_reduce(t, op=op)
             assert t.tolist() == pytest.approx([want] * 3), op
+        premul = dist._make_nccl_premul_sum(0.5)
+        t = torch.full((2,), float(r + 1))
+        dist.all_reduce(t, op=premul)
+        assert t.tolist() == [n * (n + 1) / 4] * 2
+        src = torch.arange(2.0 * n)
+        o = torch.empty(2)
+        dist.reduce_scatter_single(o, src, op=dist._make_nccl_premul_sum(torch.tensor([2.0])))
+        assert o.tolist() == [4.0 * n * r, 2.0 * n * (2 * r + 1)]
+        assert src.tolist() == list(map(float, range(2 * n)))  # the input is left alone
         t = torch.full((2,), float(r))
         dist.broadcast(t, src=n - 1)
         assert t.tolist() == [n - 1.0] * 2
@@ -144,6 +153,21 @@ def test_async_work_and_its_future():
     chained = dist.all_reduce(torch.ones(2), async_op=True).get_future().then(
         lambda f: f.value()[0] * 2)
     assert chained.wait().tolist() == [2.0 * n] * 2
+
+
+def test_coalesced_calls():
+    n = dist.get_world_size()
+    a, b = torch.ones(2), torch.ones(3)
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.all_reduce(a)
+        dist.all_reduce(b)
+    cm.wait()
+    assert a.tolist() == [float(n)] * 2 and b.tolist() == [float(n)] * 3
+    outs = [torch.empty(2 * n), torch.empty(n)]
+    with dist._coalescing_manager():
+        dist.all_gather_single(outs[0], torch.full((2,), 1.0))
+        dist.all_gather_single(outs[1], torch.full((1,), 2.0))
+    assert outs[0].tolist() == [1.0] * 2 * n and outs[1].tolist() == [2.0] * n
 
 
 def test_a_subgroup_and_a_device_mesh():
@@ -288,7 +312,7 @@ def test_bad_arguments_raise_at_the_call():
     n = dist.get_world_size()
     with pytest.raises(ValueError, match=f"list of {n} tensors"):
         dist.all_gather([torch.empty(2)] * (n + 1), torch.ones(2))
-    with pytest.raises(mcrdl.UnsupportedOperationError, match="BAND"):
+    with pytest.raises(mcrdl.UnsupportedOperationError, match="BAND.*PREMUL_SUM"):
         dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.BAND)
     with pytest.raises(ValueError, match="needs"):
         dist.all_gather_single(torch.empty(n * 2 + 1), torch.ones(2))
