@@ -344,7 +344,23 @@ class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             inputs: list[torch.Tensor], opts: Any = None) -> _Work:
-        return self.allgather(output_lists, inputs, opts)
+        """``output_lists[r][i]`` receives input ``i`` of rank ``r`` (per rank, then per
+        input: the transpose of ``allgather``'s layout)."""
+        n = self.comm.size
+        if len(output_lists) != n or any(len(o) != len(inputs) for o in output_lists):
+            raise ValueError(f"all_gather_coalesced takes {n} output lists (one per rank) of "
+                             f"{len(inputs)} tensors (one per input); got "
+                             f"{[len(o) for o in output_lists]}")
+        b = self._backend()
+        futs = [self.comm.allgather(inp.reshape(-1), backend=b) for inp in inputs]
+
+        def then() -> None:
+            for i, (fut, inp) in enumerate(zip(futs, inputs)):
+                flat, k = fut.result(), inp.numel()
+                for r in range(n):
+                    output_lists[r][i].copy_(flat[r * k:(r + 1) * k].reshape(inp.shape))
+
+        return _Work(futs, [o for outs in output_lists for o in outs], then)
 
     def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor,
                           opts: Any = None) -> _Work:

@@ -1,0 +1,124 @@
+"""DDP over the "mcrdl" torch.distributed backend against DDP over torch's own gloo.
+
+    mpiexec -n 2 python benchmarks/ddp.py [--mib 16] [--steps 20]   (and -n 4)
+
+One process group of each kind over the same ranks (``dist.new_group(backend="gloo")`` beside
+mcrdl's default group); the same model (``--mib`` MiB of float32 gradients, in linear layers
+of 4 MiB) wrapped by DDP over each, stepped in alternating pairs. Prints, rank 0:
+
+- step time (median) with mcrdl and with gloo, and their ratio (target: mcrdl <= 0.7x gloo
+  at 2 ranks);
+- for each, the share of communication hidden behind backward:
+  (compute alone + communication alone - step) / min(compute alone, communication alone),
+  where compute alone is the same step without DDP and communication alone is an allreduce
+  of every gradient, bucket by bucket, over that group;
+- the adapter's cost: ``dist.all_reduce`` of 4 bytes over the mcrdl group minus
+  ``comm.allreduce(...).wait()`` on the communicator under it, both on mpi, alternating pairs
+  (target: under 10 µs), and the 4-byte ``dist.all_reduce`` against gloo's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mcrdl  # noqa: E402
+import mcrdl.torch  # noqa: E402
+from common import alternate  # noqa: E402
+
+_LAYER = 1024  # a 1024 x 1024 float32 weight: 4 MiB
+
+
+def _timed(fn: Callable[[], object], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--pairs", type=int, default=2000, help="pairs for the 4-byte figures")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    mcrdl.torch.init_process_group()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    comm = mcrdl.torch.communicator()
+    mine = dist.distributed_c10d._get_default_group()
+    gloo = dist.new_group(backend="gloo")
+    mcrdl.torch.set_backend(None, "mpi")
+
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(max(1, args.mib // 4)):
+        layers += [torch.nn.Linear(_LAYER, _LAYER, bias=False), torch.nn.Tanh()]
+    base = torch.nn.Sequential(*layers)
+    x = torch.randn(16, _LAYER)
+    ddps = {name: torch.nn.parallel.DistributedDataParallel(
+        copy.deepcopy(base), process_group=pg, bucket_cap_mb=4)
+        for name, pg in (("mcrdl", mine), ("gloo", gloo))}
+
+    def step(model: torch.nn.Module) -> None:
+        model.zero_grad(set_to_none=False)
+        model(x).sum().backward()
+
+    for model in (*ddps.values(), base):  # warm-up: DDP's buckets are built on the first step
+        step(model)
+        step(model)
+    grads = [p.grad for p in base.parameters()]
+
+    def comm_alone(pg: object) -> None:
+        works = [dist.all_reduce(g, group=pg, async_op=True) for g in grads]  # type: ignore[arg-type]
+        for w in works:
+            w.wait()  # type: ignore[union-attr]
+
+    compute = _timed(lambda: step(base), args.steps)
+    a, b = alternate(lambda: step(ddps["mcrdl"]), lambda: step(ddps["gloo"]), args.steps)
+    steps = {"mcrdl": statistics.median(a), "gloo": statistics.median(b)}
+    alone = {"mcrdl": _timed(lambda: comm_alone(mine), args.steps),
+             "gloo": _timed(lambda: comm_alone(gloo), args.steps)}
+
+    one = torch.ones(1)
+    c, d = alternate(lambda: dist.all_reduce(one), lambda: comm.allreduce(one, backend="mpi").wait(),
+                     args.pairs)
+    e, f = alternate(lambda: dist.all_reduce(one), lambda: dist.all_reduce(one, group=gloo),
+                     max(50, args.pairs // 20))
+    mcrdl.torch.set_backend(None, None)
+    if rank == 0:
+        mib = sum(g.numel() for g in grads) * 4 / 2**20
+        print(f"# DDP, {size} ranks, {mib:.0f} MiB of gradients in 4 MiB buckets, "
+              f"median of {args.steps} alternating steps (rank 0); mcrdl pinned to mpi")
+        print(f"compute alone (no DDP): {compute * 1e3:.1f} ms")
+        for name in ("mcrdl", "gloo"):
+            hidden = (compute + alone[name] - steps[name]) / min(compute, alone[name])
+            print(f"{name:>5}: step {steps[name] * 1e3:8.1f} ms | communication alone "
+                  f"{alone[name] * 1e3:8.1f} ms | hidden {hidden:5.2f}")
+        print(f"step ratio mcrdl / gloo: {steps['mcrdl'] / steps['gloo']:.2f} (target <= 0.7 "
+              f"at 2 ranks)")
+        print(f"4-byte dist.all_reduce over mcrdl: {statistics.median(c) * 1e6:.1f} µs; "
+              f"comm.allreduce().wait(): {statistics.median(d) * 1e6:.1f} µs; adapter "
+              f"+{(statistics.median(c) - statistics.median(d)) * 1e6:.1f} µs (target < 10)")
+        print(f"4-byte dist.all_reduce, mcrdl / gloo: "
+              f"{statistics.median(e) / statistics.median(f):.3f} "
+              f"({statistics.median(e) * 1e6:.1f} µs against {statistics.median(f) * 1e6:.1f})")
+    dist.destroy_process_group()
+    mcrdl.finalize()
+
+
+if __name__ == "__main__":
+    main()
