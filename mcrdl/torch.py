@@ -233,6 +233,12 @@ def _each(one: Callable[[torch.Tensor, torch.Tensor, Any], _Work], outputs: list
     return _Work([f for w in works for f in w._futs], outputs)
 
 
+def _unpack(flat: torch.Tensor, rows: int, outputs: list[torch.Tensor]) -> None:
+    """Copy rank ``i``'s ``rows`` rows of a gathered ``flat`` into ``outputs[i]``."""
+    for i, o in enumerate(outputs):
+        o.copy_(flat[i * rows:(i + 1) * rows].reshape(o.shape))
+
+
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are views of one storage (torch's in-place collectives)."""
     return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
@@ -272,19 +278,11 @@ class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
     def getGroupDesc(self) -> str:  # noqa: N802
         return self._group_desc
 
-    @property
-    def group_name(self) -> str:
-        return self._group_name
-
-    @property
-    def group_desc(self) -> str:
-        return self._group_desc
-
-    def _set_group_name(self, name: str) -> None:
-        self._group_name = name
-
-    def _set_group_desc(self, desc: str) -> None:
-        self._group_desc = desc
+    # What distributed_c10d itself calls and reads: the same accessors.
+    _set_group_name = setGroupName
+    _set_group_desc = setGroupDesc
+    group_name = property(getGroupName)
+    group_desc = property(getGroupDesc)
 
     def _backend(self) -> str | None:
         region = _region.get()
@@ -335,10 +333,7 @@ class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
 
         def then() -> None:
             for fut, inp, outputs in zip(futs, inputs, output_lists):
-                flat = fut.result()
-                n = _rows(inp).shape[0]
-                for i, o in enumerate(outputs):
-                    o.copy_(flat[i * n:(i + 1) * n].reshape(o.shape))
+                _unpack(fut.result(), _rows(inp).shape[0], outputs)
 
         return _Work(futs, [o for outputs in output_lists for o in outputs], then)
 
@@ -461,10 +456,7 @@ class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
         fut = self.comm.gather(_rows(inp), root, backend=self._backend())
 
         def then() -> None:
-            flat = fut.result()
-            n = _rows(inp).shape[0]
-            for i, o in enumerate(output_lists[0]):
-                o.copy_(flat[i * n:(i + 1) * n].reshape(o.shape))
+            _unpack(fut.result(), _rows(inp).shape[0], output_lists[0])
 
         return _Work([fut], output_lists[0] if mine else [], then if mine else None)
 
@@ -548,7 +540,7 @@ def _create(opts: Any, backend_options: Any = None) -> ProcessGroupMCRDL:
                              f"{ranks} before mcrdl was up; start with the default group")
         runtime = current_runtime()
     world = runtime.world  # type: ignore[union-attr]
-    if len(ranks) == world.size and ranks == list(range(world.size)):
+    if ranks == list(range(world.size)):
         comm = world
     else:
         comm = runtime.make_communicator(  # type: ignore[union-attr]

@@ -277,10 +277,10 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
                 mark = engine._n_polls
                 yield
                 continue
-            if poll():
-                mark = engine._n_polls
-                continue
+            progressed = poll()
             mark = engine._n_polls
+            if progressed:
+                continue
             now = _clock()
             engine.check_deadlines(engine._clock())
             waited = now - t0

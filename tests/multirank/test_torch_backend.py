@@ -4,6 +4,7 @@ communication, DDP mixed with the program's own comm.* calls, and the error path
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -226,25 +227,43 @@ def _reference(n, steps):
     return [p.detach().clone() for p in model.parameters()]
 
 
+@contextlib.contextmanager
+def _pinned(backend):
+    """The default group's collectives on ``backend`` for the block."""
+    mcrdl.torch.set_backend(None, backend)
+    try:
+        yield
+    finally:
+        mcrdl.torch.set_backend(None, None)
+
+
+def _train_on_slices(model, steps, alongside=None):
+    """Train ``model`` (DDP or FSDP2) on this rank's slice of each batch; ``alongside()``, if
+    given, starts something before each step and returns a check to run after it."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in _batches(n, steps):
+        check = alongside() if alongside is not None else None
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[4 * r:4 * (r + 1)]), y[4 * r:4 * (r + 1)]).backward()
+        opt.step()
+        if check is not None:
+            check()
+
+
+def _assert_like_one_process(params, steps):
+    for got, want in zip(params, _reference(dist.get_world_size(), steps)):
+        torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_ddp_trains_like_one_process(backend):
     _need(backend)
-    r, n = dist.get_rank(), dist.get_world_size()
-    steps = 3
     model = _model()
-    mcrdl.torch.set_backend(None, backend)
-    try:
-        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0005)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for x, y in _batches(n, steps):
-            opt.zero_grad()
-            xs, ys = x[4 * r:4 * (r + 1)], y[4 * r:4 * (r + 1)]
-            torch.nn.functional.mse_loss(ddp(xs), ys).backward()
-            opt.step()
-    finally:
-        mcrdl.torch.set_backend(None, None)
-    for got, want in zip(model.parameters(), _reference(n, steps)):
-        torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6)
+    with _pinned(backend):
+        _train_on_slices(torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0005),
+                         3)
+    _assert_like_one_process(model.parameters(), 3)
 
 
 def test_ddp_on_mpi_mixed_with_the_programs_own_alltoall_on_gloo():
@@ -253,23 +272,20 @@ def test_ddp_on_mpi_mixed_with_the_programs_own_alltoall_on_gloo():
     _need("mpi", "gloo")
     r, n = dist.get_rank(), dist.get_world_size()
     comm = mcrdl.torch.communicator()
-    model = _model()
-    mcrdl.torch.set_backend(None, "mpi")
-    try:
-        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0005)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for x, y in _batches(n, 2):
-            tokens = torch.arange(3.0 * n) + 100 * r
-            moved = comm.alltoall(tokens, backend="gloo")
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(ddp(x[4 * r:4 * (r + 1)]), y[4 * r:4 * (r + 1)]).backward()
-            opt.step()
+
+    def alltoall():
+        moved = comm.alltoall(torch.arange(3.0 * n) + 100 * r, backend="gloo")
+
+        def check():
             assert moved.wait().tolist() == [100.0 * s + 3 * r + k for s in range(n)
                                              for k in range(3)]
-    finally:
-        mcrdl.torch.set_backend(None, None)
-    for got, want in zip(model.parameters(), _reference(n, 2)):
-        torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6)
+        return check
+
+    model = _model()
+    with _pinned("mpi"):
+        _train_on_slices(torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0005),
+                         2, alltoall)
+    _assert_like_one_process(model.parameters(), 2)
 
 
 def test_in_place_all_gather_single():
@@ -286,26 +302,15 @@ def test_fsdp2_trains_like_one_process(backend):
     from torch.distributed.fsdp import fully_shard
 
     _need(backend)
-    r, n = dist.get_rank(), dist.get_world_size()
-    steps = 3
     model = _model()
-    mcrdl.torch.set_backend(None, backend)
-    try:
+    with _pinned(backend):
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer)
         fully_shard(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for x, y in _batches(n, steps):
-            opt.zero_grad()
-            xs, ys = x[4 * r:4 * (r + 1)], y[4 * r:4 * (r + 1)]
-            torch.nn.functional.mse_loss(model(xs), ys).backward()
-            opt.step()
+        _train_on_slices(model, 3)
         full = [p.full_tensor() for p in model.parameters()]
-    finally:
-        mcrdl.torch.set_backend(None, None)
-    for got, want in zip(full, _reference(n, steps)):
-        torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6)
+    _assert_like_one_process(full, 3)
 
 
 def test_bad_arguments_raise_at_the_call():
