@@ -100,12 +100,18 @@ class Selector:
         Raises:
             UnknownBackendError, BackendUnavailableError: a bad ``backend`` name.
             UnsupportedOperationError: the backend (or, for auto, every backend) cannot run it.
-            ValueError: AVG on an integer dtype.
+            ValueError: AVG on an integer dtype, a bitwise op on a floating-point one.
         """
         if op is ReduceOp.AVG and dtype is not None and not dtype.is_floating:
             raise ValueError(
                 f"AVG on {dtype.value} would truncate; use SUM and divide yourself, "
                 "or a floating-point dtype"
+            )
+        if op is not None and op.is_bitwise and dtype is not None and dtype.is_floating:
+            raise ValueError(
+                f"{op.name} is bitwise and {dtype.value} is a floating-point dtype; bitwise "
+                "reductions take integer or bool buffers (view the bits as an integer dtype "
+                "of the same width if that is what you mean)"
             )
         if backend is None or backend == "auto":
             if self.table is not None:

@@ -12,7 +12,8 @@ class ReduceOp(enum.Enum):
 
     On ``bool`` buffers SUM and MAX are logical OR, PROD and MIN logical AND. AVG is the exact
     SUM divided by the group size; a backend without a native AVG gets SUM followed by the
-    division, and AVG on integer dtypes is refused (it would truncate).
+    division, and AVG on integer dtypes is refused (it would truncate). BAND, BOR and BXOR
+    are bitwise AND, OR and XOR, on integer and bool buffers only (on bool: logical).
     """
 
     SUM = "sum"
@@ -20,10 +21,21 @@ class ReduceOp(enum.Enum):
     MIN = "min"
     MAX = "max"
     AVG = "avg"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
+
+    @property
+    def is_bitwise(self) -> bool:
+        """True for BAND, BOR and BXOR (integer and bool buffers only)."""
+        return self in _BITWISE
 
     # Members are singletons compared by identity: hash them by identity too, in C (Enum's
     # own __hash__ is Python code, and these are dict keys on every operation's path).
     __hash__ = object.__hash__
+
+
+_BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 
 
 class OpKind(enum.Enum):

@@ -65,7 +65,8 @@ _region: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 _c10d: Any = dist
 _RED = _c10d.ReduceOp.RedOpType
 _OPS = {_RED.SUM: ReduceOp.SUM, _RED.PRODUCT: ReduceOp.PROD, _RED.MIN: ReduceOp.MIN,
-        _RED.MAX: ReduceOp.MAX, _RED.AVG: ReduceOp.AVG}
+        _RED.MAX: ReduceOp.MAX, _RED.AVG: ReduceOp.AVG, _RED.BAND: ReduceOp.BAND,
+        _RED.BOR: ReduceOp.BOR, _RED.BXOR: ReduceOp.BXOR}
 
 
 @contextlib.contextmanager
@@ -222,7 +223,7 @@ def _op(opts: Any) -> tuple[ReduceOp, Any]:
     if op is None:
         raise UnsupportedOperationError(
             f"reduce op {kind} is not supported by the mcrdl backend; it reduces with SUM, "
-            f"PRODUCT, MIN, MAX, AVG and PREMUL_SUM")
+            f"PRODUCT, MIN, MAX, AVG, PREMUL_SUM, BAND, BOR and BXOR")
     return op, None
 
 

@@ -202,6 +202,14 @@ def test_avg_on_integers_is_refused(comm):
         comm.allreduce(torch.ones(4, dtype=torch.int32), ReduceOp.AVG)
 
 
+def test_bitwise_on_floats_is_refused(comm):
+    with pytest.raises(ValueError, match=exact(
+            "BXOR is bitwise and float64 is a floating-point dtype; bitwise reductions take "
+            "integer or bool buffers (view the bits as an integer dtype of the same width if "
+            "that is what you mean)")):
+        comm.allreduce(np.ones(4), ReduceOp.BXOR)
+
+
 def test_op_must_be_a_reduce_op(comm):
     with pytest.raises(TypeError, match=exact(
             "op must be a mcrdl.ReduceOp (e.g. ReduceOp.SUM), got 'sum'")):

@@ -133,6 +133,9 @@ class GlooBackend(Backend):
             ReduceOp.MIN: _NATIVE_ORDERED,
             ReduceOp.MAX: _NATIVE_ORDERED,
             ReduceOp.AVG: _FLOATS | _COMPLEX,
+            ReduceOp.BAND: _NATIVE_ORDERED - _FLOATS,
+            ReduceOp.BOR: _NATIVE_ORDERED - _FLOATS,
+            ReduceOp.BXOR: _NATIVE_ORDERED - _FLOATS,
         },
         cancel=False,
         self_progressing=True,
@@ -166,7 +169,8 @@ class GlooBackend(Backend):
         self._move_as = {dt: getattr(torch, name) for dt, name in _MOVE_AS.items()}
         red = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.PROD: dist.ReduceOp.PRODUCT,
                ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX,
-               ReduceOp.AVG: dist.ReduceOp.AVG}
+               ReduceOp.AVG: dist.ReduceOp.AVG, ReduceOp.BAND: dist.ReduceOp.BAND,
+               ReduceOp.BOR: dist.ReduceOp.BOR, ReduceOp.BXOR: dist.ReduceOp.BXOR}
         self._red = red
         self._allreduce_opts = {}
         for op, r in red.items():

@@ -172,10 +172,13 @@ class MPIBackend(Backend):
         self._half = _half_ops(MPI)
         ordered = _INTS | _REALS | {DType.FLOAT16, DType.BFLOAT16}
         self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD,
-                     ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX}
+                     ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX, ReduceOp.BAND: MPI.BAND,
+                     ReduceOp.BOR: MPI.BOR, ReduceOp.BXOR: MPI.BXOR}
         self._plain = _INTS | _REALS | _COMPLEX  # dtypes MPI's own ops reduce
         self._bool_ops = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR,
-                          ReduceOp.PROD: MPI.LAND, ReduceOp.MIN: MPI.LAND}
+                          ReduceOp.PROD: MPI.LAND, ReduceOp.MIN: MPI.LAND,
+                          ReduceOp.BAND: MPI.LAND, ReduceOp.BOR: MPI.LOR,
+                          ReduceOp.BXOR: MPI.LXOR}
         self.capabilities = Capabilities(
             ops=frozenset(OpKind),
             dtypes=frozenset(DType),
@@ -184,6 +187,9 @@ class MPIBackend(Backend):
                 ReduceOp.PROD: ordered | _COMPLEX | {DType.BOOL},
                 ReduceOp.MIN: ordered | {DType.BOOL},
                 ReduceOp.MAX: ordered | {DType.BOOL},
+                ReduceOp.BAND: _INTS | {DType.BOOL},
+                ReduceOp.BOR: _INTS | {DType.BOOL},
+                ReduceOp.BXOR: _INTS | {DType.BOOL},
             },
             cancel=False,
             self_progressing=False,

@@ -48,11 +48,13 @@ _NUMERIC = frozenset(DType) - {DType.BFLOAT16}
 def sim_capabilities(semantics: str) -> Capabilities:
     """What a simulated backend of ``semantics`` can do (everything numpy can, except AVG)."""
     ordered = _NUMERIC - {DType.COMPLEX64, DType.COMPLEX128}
+    integral = frozenset(d for d in _NUMERIC if not d.is_floating)
     return Capabilities(
         ops=frozenset(OpKind),
         dtypes=frozenset(_NUMERIC),
         reductions={ReduceOp.SUM: _NUMERIC, ReduceOp.PROD: _NUMERIC,
-                    ReduceOp.MIN: ordered, ReduceOp.MAX: ordered},
+                    ReduceOp.MIN: ordered, ReduceOp.MAX: ordered, ReduceOp.BAND: integral,
+                    ReduceOp.BOR: integral, ReduceOp.BXOR: integral},
         stream_ordered=semantics == "nccl",
         in_order=semantics == "nccl",
         blocking_calls=semantics == "blocking",
@@ -60,8 +62,15 @@ def sim_capabilities(semantics: str) -> Capabilities:
     )
 
 
+_BITWISE = {ReduceOp.BAND: np.bitwise_and, ReduceOp.BOR: np.bitwise_or,
+            ReduceOp.BXOR: np.bitwise_xor}
+
+
 def reduce_stack(stack: np.ndarray, op: ReduceOp) -> np.ndarray:
     """Members' buffers (along axis 0) reduced with mcrdl's semantics, in rank order."""
+    bitwise = _BITWISE.get(op)
+    if bitwise is not None:
+        return np.asarray(bitwise.reduce(stack, axis=0))
     if stack.dtype == np.bool_:
         either = stack.any(axis=0) if op in (ReduceOp.SUM, ReduceOp.MAX) else stack.all(axis=0)
         return np.asarray(either)
@@ -74,7 +83,8 @@ def reduce_stack(stack: np.ndarray, op: ReduceOp) -> np.ndarray:
         return np.asarray(stack.min(axis=0))
     if op is ReduceOp.MAX:
         return np.asarray(stack.max(axis=0))
-    raise ValueError(f"the sim backend reduces natively with SUM, PROD, MIN, MAX; got {op}")
+    raise ValueError(f"the sim backend reduces natively with SUM, PROD, MIN, MAX, BAND, BOR, "
+                     f"BXOR; got {op}")
 
 
 @dataclass(eq=False)

@@ -53,6 +53,10 @@ def reduce(stack: np.ndarray, op: ReduceOp, dtype: str) -> np.ndarray:
     """The reduction of ``stack`` (ranks along axis 0) with mcrdl's semantics."""
     n = stack.shape[0]
     dt = stack.dtype
+    bitwise = {ReduceOp.BAND: np.bitwise_and, ReduceOp.BOR: np.bitwise_or,
+               ReduceOp.BXOR: np.bitwise_xor}.get(op)
+    if bitwise is not None:
+        return bitwise.reduce(stack, axis=0)
     if dtype == "bool":
         any_ = stack.any(axis=0)
         all_ = stack.all(axis=0)

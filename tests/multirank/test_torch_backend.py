@@ -60,6 +60,13 @@ def test_collectives_of_every_kind(backend):
             t = torch.full((3,), float(r + 1))
             dist.all_reduce(t, op=op)
             assert t.tolist() == pytest.approx([want] * 3), op
+        bits = torch.tensor([1 << r, 3, 1 << r], dtype=torch.int64)  # rank r sets bit r
+        everyone = (1 << n) - 1
+        for op, want in ((dist.ReduceOp.BAND, [0, 3, 0]), (dist.ReduceOp.BOR, [everyone, 3, everyone]),
+                         (dist.ReduceOp.BXOR, [everyone, 3 * (n % 2), everyone])):
+            t = bits.clone()
+            dist.all_reduce(t, op=op)
+            assert t.tolist() == want, op
         premul = dist._make_nccl_premul_sum(0.5)
         t = torch.full((2,), float(r + 1))
         dist.all_reduce(t, op=premul)
@@ -317,8 +324,8 @@ def test_bad_arguments_raise_at_the_call():
     n = dist.get_world_size()
     with pytest.raises(ValueError, match=f"list of {n} tensors"):
         dist.all_gather([torch.empty(2)] * (n + 1), torch.ones(2))
-    with pytest.raises(mcrdl.UnsupportedOperationError, match="BAND.*PREMUL_SUM"):
-        dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.BAND)
+    with pytest.raises(ValueError, match="BAND is bitwise and float32 is a floating-point"):
+        dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)
     with pytest.raises(ValueError, match="needs"):
         dist.all_gather_single(torch.empty(n * 2 + 1), torch.ones(2))
     dist.barrier()  # nothing was submitted: the ranks are still in step
