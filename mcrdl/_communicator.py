@@ -19,6 +19,7 @@ from ._errors import CommClosedError, MCRDLError, UnsupportedOperationError
 from ._types import COLLECTIVES, DType, OpKind, ReduceOp
 from .engine import CommFuture
 from .engine._names import MAX_NAME_BYTES, Names
+from .engine._progress import CHECK_KIND
 
 if TYPE_CHECKING:
     from ._runtime import Runtime
@@ -232,7 +233,7 @@ class Communicator:
 
         mine = fp.reshape(1, FIELDS)
         check_fut = CommFuture(
-            "fingerprint", dbg.lane, cseq, dbg.backend.start_allgather,
+            CHECK_KIND, dbg.lane, cseq, dbg.backend.start_allgather,
             (dbg.group, new_buffer(mine, False, DType.INT64),
              new_buffer(table, False, DType.INT64)),
             _NO_RANGES, _NO_RANGES, table, fp.nbytes, finish, mine)

@@ -37,6 +37,7 @@ import contextlib
 import contextvars
 import datetime
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -55,6 +56,7 @@ __all__ = ["BACKEND_NAME", "ProcessGroupMCRDL", "backend", "communicator",
 
 #: The name torch.distributed knows mcrdl by.
 BACKEND_NAME = "mcrdl"
+_TORCH_DEFAULT_TIMEOUT = dist.constants.default_pg_timeout
 
 _region: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "mcrdl_torch_backend", default=None)
@@ -531,17 +533,29 @@ def _create(opts: Any, backend_options: Any = None) -> ProcessGroupMCRDL:
     store, the group's rank and size, its name and its members' global ranks)."""
     runtime = current_runtime()
     ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
+    # torch gives every group a timeout, its default (30 min) unless the program passed one.
+    timeout = opts.timeout.total_seconds()
+    asked = {} if opts.timeout == _TORCH_DEFAULT_TIMEOUT else {"timeout": timeout}
     if runtime is None:
         if detect_launcher() == "mpi":  # MPI's world, with gloo bootstrapped through it
-            init()
+            init(**asked)
         elif ranks == list(range(opts.group_size)):  # torch's world: bring mcrdl up from it
-            init(store=opts.store, rank=opts.group_rank, world_size=opts.group_size)
+            init(store=opts.store, rank=opts.group_rank, world_size=opts.group_size, **asked)
         else:
             raise MCRDLError(f"torch.distributed made group {opts.group_id!r} of ranks "
                              f"{ranks} before mcrdl was up; start with the default group")
         runtime = current_runtime()
+    elif asked and timeout != runtime.config.timeout:
+        warnings.warn(
+            f"torch.distributed group {opts.group_id!r} asks for a {timeout:g} s timeout, but "
+            f"mcrdl times out every operation after its runtime's "
+            f"{runtime.config.timeout} s: pass the timeout to the first mcrdl.init() or "
+            f"dist.init_process_group(), or set MCRDL_TIMEOUT", stacklevel=2)
     world = runtime.world  # type: ignore[union-attr]
-    if ranks == list(range(world.size)):
+    # The default group is mcrdl's world; every other group, even one of all the ranks, is a
+    # communicator of its own: torch orders collectives per group, and two groups sharing a
+    # communicator would match one group's collective with the other's.
+    if not dist.is_initialized() and ranks == list(range(world.size)):
         comm = world
     else:
         comm = runtime.make_communicator(  # type: ignore[union-attr]

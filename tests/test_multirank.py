@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -108,6 +109,16 @@ def test_named_operations(n):
 @pytest.mark.parametrize("n", [2, 4])
 def test_torch_distributed_backend(n):
     run_suite(n, "tests/multirank/test_torch_backend.py")
+
+
+def test_torch_distributed_backend_errors():
+    """torch first under mpiexec (env:// from the MPI launcher's rank and size), debug mode:
+    a desync and a timeout surface through Work.wait()."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_suite(2, "tests/multirank/test_torch_errors.py",
+              env={"MCRDL_DEBUG": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
 
 
 def test_torch_distributed_backend_from_a_file_store(tmp_path):

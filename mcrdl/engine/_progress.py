@@ -72,6 +72,9 @@ _NOT_AS_ISSUED = (CommTimeoutError, CommAbortedError, RuntimeFinalizedError,
 #: read the same fingerprints), so the members stay in step.
 _IN_STEP = (CommBrokenError, DesyncError)
 
+#: The kind of debug mode's fingerprint checks (``Communicator._checked``).
+CHECK_KIND = "fingerprint"
+
 #: Zombies left unfinished when their engine closed, with the monotonic time by which their
 #: backend gives up on them: their requests and the memory their backends may still use are
 #: kept for the rest of the process.
@@ -692,10 +695,14 @@ class Engine:
                     if dlane.pending and dlane.pending[0] is dep:
                         self._pump(dlane)
             return
+        # Debug mode's check of an operation's fingerprint: its verdict (a desync, or the
+        # peers not arriving in time) is the operation's own.
+        verdict = isinstance(error, DesyncError) or (
+            fut.kind == CHECK_KIND and isinstance(error, CommTimeoutError))
         for dep in dependants:  # type: ignore[union-attr]
             if dep._state < DONE:
-                if isinstance(error, DesyncError):  # the check's verdict is the op's own
-                    failure: BaseException = DesyncError(f"{dep.kind}#{dep.seq}: {error}")
+                if verdict:
+                    failure: BaseException = type(error)(f"{dep.kind}#{dep.seq}: {error}")
                 else:
                     failure = DependencyFailedError(
                         f"{dep.kind}#{dep.seq} on {dep.lane.backend_name} depends on "
