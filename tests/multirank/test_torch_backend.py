@@ -197,6 +197,24 @@ def test_a_subgroup_and_a_device_mesh():
         assert t.item() == float(sum(row))
 
 
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_groups_of_every_rank_are_independent(backend):
+    """Two groups of all the ranks, all-reduced in opposite orders on odd and even ranks:
+    each collective meets its own group's (groups sharing one communicator would match
+    them across groups and exchange the wrong data)."""
+    _need(backend)
+    r, n = dist.get_rank(), dist.get_world_size()
+    g1, g2 = dist.new_group(), dist.new_group()
+    a, b = torch.full((4,), r + 1.0), torch.full((4,), 100.0 * (r + 1))
+    order = [(g1, a), (g2, b)] if r % 2 == 0 else [(g2, b), (g1, a)]
+    with mcrdl.torch.backend(backend):
+        works = [dist.all_reduce(t, group=g, async_op=True) for g, t in order]
+    for w in works:
+        w.wait()
+    total = n * (n + 1) / 2
+    assert a.tolist() == [total] * 4 and b.tolist() == [100 * total] * 4
+
+
 def test_pins_choose_the_backend():
     _need("mpi", "gloo")
     comm = mcrdl.torch.communicator()
