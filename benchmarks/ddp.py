@@ -4,7 +4,7 @@
 
 One process group of each kind over the same ranks (``dist.new_group(backend="gloo")`` beside
 mcrdl's default group); the same model (``--mib`` MiB of float32 gradients, in linear layers
-of 4 MiB) wrapped by DDP over each, stepped in alternating pairs. Prints, rank 0:
+of 4 MiB) wrapped by DDP over each, stepped in alternating blocks. Prints, rank 0:
 
 - step time (median) with mcrdl and with gloo, and their ratio (target: mcrdl <= 0.7x gloo
   at 2 ranks);
@@ -13,6 +13,10 @@ of 4 MiB) wrapped by DDP over each, stepped in alternating pairs. Prints, rank 0
   where compute alone is the same DDP step under ``no_sync()`` (backward and DDP's own
   bookkeeping, no communication) and communication alone is an allreduce of every gradient
   over that group;
+- where each step's CPU time goes (Linux): the main thread, mcrdl's progress thread, and
+  the other threads (gloo's), per step, beside the step's wall time. Each rank has one core
+  on a 2-core host: a step whose threads' CPU adds up to its wall time is bound by CPU, and
+  no overlap can make it shorter than that sum;
 - the adapter's cost: ``dist.all_reduce`` of 4 bytes over the mcrdl group minus
   ``comm.allreduce(...).wait()`` on the communicator under it, both on mpi, alternating pairs
   (target: under 10 µs), and the 4-byte ``dist.all_reduce`` against gloo's.
@@ -22,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
+import threading
 import statistics
 import sys
 import time
@@ -48,6 +54,59 @@ def _timed(fn: Callable[[], object], reps: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _in_blocks(steps: dict[str, Callable[[], None]], reps: int, block: int = 6
+               ) -> dict[str, float]:
+    """Median seconds of each of ``steps`` (``reps`` each), run in blocks of ``block`` in a
+    row, the first of each block not counted, the blocks alternating (which goes first
+    alternates too): a program runs one backend step after step, and step-by-step
+    alternation made each pay for the other's leftovers (gloo's threads finishing, mcrdl's
+    progress thread napping), while blocks still see the same drift of the machine."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    order = list(steps)
+    while min(len(t) for t in times.values()) < reps:
+        for name in order:
+            for i in range(block):
+                t0 = time.perf_counter()
+                steps[name]()
+                if i:
+                    times[name].append(time.perf_counter() - t0)
+        order.reverse()
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _thread_cpu() -> dict[int, float]:
+    """CPU seconds used so far by each thread of this process (Linux), by native id."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        used[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return used
+
+
+def _cpu_per_step(fn: Callable[[], None], reps: int, progress: Callable[[], int | None]
+                  ) -> dict[str, float] | None:
+    """Wall and CPU seconds per call of ``fn``: the main thread, mcrdl's progress thread,
+    the others. None where /proc cannot tell."""
+    if not os.path.isdir("/proc/self/task"):
+        return None
+    dist.barrier()
+    before, t0 = _thread_cpu(), time.perf_counter()
+    for _ in range(reps):
+        fn()
+    wall, after = time.perf_counter() - t0, _thread_cpu()
+    main, bg = threading.main_thread().native_id, progress()
+    split = {"wall": wall / reps, "main": 0.0, "progress": 0.0, "other": 0.0}
+    for tid, secs in after.items():
+        key = "main" if tid == main else "progress" if tid == bg else "other"
+        split[key] += (secs - before.get(tid, 0.0)) / reps
+    return split
 
 
 def main() -> None:
@@ -93,10 +152,16 @@ def main() -> None:
             step(model)
 
     computes = {name: _timed(lambda m=m: quiet(m), args.steps) for name, m in ddps.items()}
-    a, b = alternate(lambda: step(ddps["mcrdl"]), lambda: step(ddps["gloo"]), args.steps)
-    steps = {"mcrdl": statistics.median(a), "gloo": statistics.median(b)}
+    steps = _in_blocks({name: lambda m=m: step(m) for name, m in ddps.items()}, args.steps)
     alone = {"mcrdl": _timed(lambda: comm_alone(mine), args.steps),
              "gloo": _timed(lambda: comm_alone(gloo), args.steps)}
+
+    def progress_thread() -> int | None:
+        thread = comm.runtime.engine._thread
+        return None if thread is None or thread._thread is None else thread._thread.native_id
+
+    cpu = {name: _cpu_per_step(lambda m=m: step(m), 2 * args.steps, progress_thread)
+           for name, m in ddps.items()}
 
     one = torch.ones(1)
     opts = dist.AllreduceOptions()  # type: ignore[attr-defined]
@@ -110,13 +175,20 @@ def main() -> None:
     if rank == 0:
         mib = sum(g.numel() for g in grads) * 4 / 2**20
         print(f"# DDP, {size} ranks, {mib:.0f} MiB of gradients in 4 MiB buckets, "
-              f"median of {args.steps} alternating steps (rank 0); mcrdl pinned to mpi")
+              f"median of {args.steps} steps in alternating blocks (rank 0); mcrdl pinned to mpi")
         for name in ("mcrdl", "gloo"):
             compute = computes[name]
             hidden = (compute + alone[name] - steps[name]) / min(compute, alone[name])
             print(f"{name:>5}: step {steps[name] * 1e3:8.1f} ms | compute alone (no_sync) "
                   f"{compute * 1e3:8.1f} ms | communication alone {alone[name] * 1e3:8.1f} ms"
                   f" | hidden {hidden:5.2f}")
+        for name, split in cpu.items():
+            if split is not None:
+                busy = split["main"] + split["progress"] + split["other"]
+                print(f"{name:>5}: per step, wall {split['wall'] * 1e3:5.1f} ms; CPU main "
+                      f"{split['main'] * 1e3:5.1f}, mcrdl progress thread "
+                      f"{split['progress'] * 1e3:4.1f}, other threads {split['other'] * 1e3:4.1f}"
+                      f" ms (CPU / wall {busy / split['wall']:.2f})")
         print(f"step ratio mcrdl / gloo: {steps['mcrdl'] / steps['gloo']:.2f} (target <= 0.7 "
               f"at 2 ranks)")
         print(f"4-byte dist.all_reduce over mcrdl: {statistics.median(c) * 1e6:.1f} µs; "
