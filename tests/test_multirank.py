@@ -111,6 +111,11 @@ def test_torch_distributed_backend(n):
     run_suite(n, "tests/multirank/test_torch_backend.py")
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_examples_train_like_one_process(n):
+    run_suite(n, "tests/multirank/test_examples.py")
+
+
 def test_torch_distributed_backend_errors():
     """torch first under mpiexec (env:// from the MPI launcher's rank and size), debug mode:
     a desync and a timeout surface through Work.wait()."""

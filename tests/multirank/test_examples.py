@@ -1,0 +1,51 @@
+"""The workload examples train correctly: after a few steps every rank's parameters equal
+those of one process training the same model on the whole global batch, on each backend,
+on auto, and on a mix of two (launched at 2 and 4 ranks by tests/test_multirank.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mcrdl
+import mcrdl.torch
+from examples import data_parallel
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def comm():
+    mcrdl.torch.init_process_group()  # mcrdl, and torch.distributed over it for DDP
+    yield mcrdl.torch.communicator()
+    dist.destroy_process_group()
+    mcrdl.finalize()
+
+
+def _assert_same_parameters(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _ran_on(run) -> set[str]:
+    return {key.rpartition(" on ")[2] for key in run.ops if key.startswith("allreduce")}
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("backend", ["mpi", "gloo", "auto", "mix"])
+def test_data_parallel_with_mcrdl_buckets(comm, backend, overlap):
+    model, run = data_parallel.train(comm, "mcrdl", backend, STEPS, overlap)
+    _assert_same_parameters(model, data_parallel.reference(STEPS, comm.size))
+    if backend in ("mpi", "gloo"):
+        assert _ran_on(run) == {backend}
+    elif backend == "mix":
+        assert _ran_on(run) == {"mpi", "gloo"}
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo", "auto"])
+def test_data_parallel_with_ddp(comm, backend):
+    model, run = data_parallel.train(comm, "ddp", backend, STEPS)
+    _assert_same_parameters(model, data_parallel.reference(STEPS, comm.size))
+    if backend != "auto":
+        assert _ran_on(run) == {backend}
