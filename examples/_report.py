@@ -41,9 +41,12 @@ def backend_for(comm: mcrdl.Communicator, choice: str, kind: str) -> str:
 
 class Run:
     """One training run's records: per step its loss, its time and the time spent waiting
-    for communication; per backend and kind, the operations that ran on it."""
+    for communication (``waiting``: what that time is); per backend and kind, the operations
+    that ran on it."""
 
-    def __init__(self, comm: mcrdl.Communicator) -> None:
+    def __init__(self, comm: mcrdl.Communicator, waiting: str = "waiting for communication"
+                 ) -> None:
+        self.waiting = waiting
         self.losses: list[float] = []
         self.times: list[float] = []
         self.waits: list[float] = []
@@ -70,7 +73,7 @@ class Run:
         step = statistics.median(self.times[skip:])
         wait = statistics.median(self.waits[skip:])
         waiting = ("waiting not visible (inside torch)" if math.isnan(wait)
-                   else f"of which waiting for communication {wait * 1e3:.2f} ms")
+                   else f"of which {self.waiting} {wait * 1e3:.2f} ms")
         ops = ", ".join(f"{k}: {v}" for k, v in sorted(self.ops.items()))
         return (f"{title}\n"
                 f"  loss {self.losses[0]:.5f} -> {self.losses[-1]:.5f} over "
@@ -93,9 +96,8 @@ class Run:
         steps = range(len(self.times))
         waits = [0.0 if math.isnan(w) else w for w in self.waits]
         busy = [(t - w) * 1e3 for t, w in zip(self.times, waits)]
-        right.bar(steps, busy, width=1.0, label="compute and submission")
-        right.bar(steps, [w * 1e3 for w in waits], bottom=busy, width=1.0,
-                  label="waiting for communication")
+        right.bar(steps, busy, width=1.0, label="the rest")
+        right.bar(steps, [w * 1e3 for w in waits], bottom=busy, width=1.0, label=self.waiting)
         right.set_ylim(0, 3e3 * statistics.median(self.times))  # the first steps warm up
         right.set_xlabel("step")
         right.set_ylabel("ms (first steps cut off)")

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import mcrdl
 import mcrdl.torch
-from examples import data_parallel
+from examples import data_parallel, moe
 
 STEPS = 3
 
@@ -28,8 +28,8 @@ def _assert_same_parameters(model: torch.nn.Module, reference: torch.nn.Module) 
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def _ran_on(run) -> set[str]:
-    return {key.rpartition(" on ")[2] for key in run.ops if key.startswith("allreduce")}
+def _ran_on(run, kind: str = "allreduce") -> set[str]:
+    return {key.rpartition(" on ")[2] for key in run.ops if key.startswith(kind + " ")}
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -49,3 +49,19 @@ def test_data_parallel_with_ddp(comm, backend):
     _assert_same_parameters(model, data_parallel.reference(STEPS, comm.size))
     if backend != "auto":
         assert _ran_on(run) == {backend}
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("backend", ["mpi", "gloo", "auto", "mix"])
+def test_moe(comm, backend, overlap):
+    mine, run = moe.train(comm, backend, STEPS, overlap)
+    ref = moe.reference(STEPS, comm.size)
+    experts = slice(comm.rank * moe.EXPERTS_PER_RANK, (comm.rank + 1) * moe.EXPERTS_PER_RANK)
+    for name, want in (("gate", ref["gate"]), ("w1", ref["w1"][experts]),
+                       ("w2", ref["w2"][experts])):
+        torch.testing.assert_close(mine[name], want, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    if backend in ("mpi", "gloo"):
+        assert _ran_on(run, "alltoallv") == _ran_on(run) == {backend}
+    elif backend == "mix":
+        assert (_ran_on(run, "alltoallv"), _ran_on(run)) == ({"gloo"}, {"mpi"})
