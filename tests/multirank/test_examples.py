@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import mcrdl
 import mcrdl.torch
-from examples import data_parallel, moe
+from examples import data_parallel, dlrm, moe
 
 STEPS = 3
 
@@ -65,3 +65,17 @@ def test_moe(comm, backend, overlap):
         assert _ran_on(run, "alltoallv") == _ran_on(run) == {backend}
     elif backend == "mix":
         assert (_ran_on(run, "alltoallv"), _ran_on(run)) == ({"gloo"}, {"mpi"})
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("backend", ["mpi", "gloo", "auto", "mix"])
+def test_dlrm(comm, backend, overlap):
+    model, run = dlrm.train(comm, backend, STEPS, overlap)
+    ref = dlrm.reference(STEPS, comm.size)
+    _assert_same_parameters(model.mlps, ref.mlps)
+    for t in range(comm.rank * dlrm.TABLES_PER_RANK, (comm.rank + 1) * dlrm.TABLES_PER_RANK):
+        _assert_same_parameters(model.tables[t], ref.tables[t])
+    if backend in ("mpi", "gloo"):
+        assert _ran_on(run, "alltoall") == _ran_on(run) == {backend}
+    elif backend == "mix":
+        assert (_ran_on(run, "alltoall"), _ran_on(run)) == ({"gloo"}, {"mpi"})
