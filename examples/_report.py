@@ -6,7 +6,10 @@ import argparse
 import math
 import statistics
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 import mcrdl
 
@@ -76,8 +79,8 @@ class Run:
                    else f"of which {self.waiting} {wait * 1e3:.2f} ms")
         ops = ", ".join(f"{k}: {v}" for k, v in sorted(self.ops.items()))
         return (f"{title}\n"
-                f"  loss {self.losses[0]:.5f} -> {self.losses[-1]:.5f} over "
-                f"{len(self.losses)} steps\n"
+                f"  loss (rank 0's share of the batch) {self.losses[0]:.5f} -> "
+                f"{self.losses[-1]:.5f} over {len(self.losses)} steps\n"
                 f"  step {step * 1e3:.2f} ms (median), {waiting}\n"
                 f"  operations: {ops}")
 
@@ -106,3 +109,23 @@ class Run:
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
+
+
+def show(comm: mcrdl.Communicator, run: Run, args: argparse.Namespace, what: str) -> None:
+    """Rank 0 prints the run's report (and writes its plot with ``--plot``)."""
+    if comm.rank == 0:
+        title = (f"{what}, backend {args.backend}, overlap {'on' if args.overlap else 'off'}")
+        print(run.report(title))
+        if args.plot:
+            run.plot(args.plot, title)
+
+
+def main(doc: str, train: Callable[[mcrdl.Communicator, str, int, bool], tuple[Any, Run]],
+         describe: Callable[[mcrdl.Communicator], str], steps: int = 300) -> None:
+    """An example's command: parse its options, bring mcrdl up, train, report."""
+    args = parser(doc.splitlines()[0], steps).parse_args()
+    torch.set_num_threads(1)
+    comm = mcrdl.init()
+    _, run = train(comm, args.backend, args.steps, args.overlap)
+    show(comm, run, args, describe(comm))
+    mcrdl.finalize()

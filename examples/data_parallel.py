@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mcrdl  # noqa: E402
 import mcrdl.torch  # noqa: E402  (registers the backend "mcrdl" with torch.distributed)
-from _report import Run, backend_for, parser  # noqa: E402
+from _report import Run, backend_for, parser, show  # noqa: E402
 
 IN, WIDTH, DEPTH = 64, 256, 4
 BATCH = 32  # rows per rank per step
@@ -171,12 +171,7 @@ def main() -> None:
     else:
         comm = mcrdl.init()
     _, run = train(comm, args.way, args.backend, args.steps, args.overlap)
-    if comm.rank == 0:
-        title = (f"data parallel ({args.way}), {comm.size} ranks, backend {args.backend}, "
-                 f"overlap {'on' if args.overlap else 'off'}; loss of rank 0's batch")
-        print(run.report(title))
-        if args.plot:
-            run.plot(args.plot, title)
+    show(comm, run, args, f"data parallel ({args.way}), {comm.size} ranks")
     if args.way == "ddp":
         torch.distributed.destroy_process_group()
     mcrdl.finalize()

@@ -34,7 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mcrdl  # noqa: E402
-from _report import Run, backend_for, parser  # noqa: E402
+import _report  # noqa: E402
+from _report import Run, backend_for  # noqa: E402
 from data_parallel import GradBuckets  # noqa: E402
 
 DENSE, D = 16, 32  # dense features, embedding width
@@ -153,18 +154,8 @@ def reference(steps: int, size: int) -> Model:
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0], steps=300).parse_args()
-    torch.set_num_threads(1)
-    comm = mcrdl.init()
-    _, run = train(comm, args.backend, args.steps, args.overlap)
-    if comm.rank == 0:
-        title = (f"DLRM, {comm.size} ranks x {TABLES_PER_RANK} tables, batch {BATCH} per "
-                 f"rank, backend {args.backend}, overlap {'on' if args.overlap else 'off'}; "
-                 f"loss of rank 0's samples")
-        print(run.report(title))
-        if args.plot:
-            run.plot(args.plot, title)
-    mcrdl.finalize()
+    _report.main(__doc__, train, lambda comm: (
+        f"DLRM, {comm.size} ranks x {TABLES_PER_RANK} tables, batch {BATCH} per rank"))
 
 
 if __name__ == "__main__":

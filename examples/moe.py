@@ -40,7 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mcrdl  # noqa: E402
-from _report import Run, backend_for, parser  # noqa: E402
+import _report  # noqa: E402
+from _report import Run, backend_for  # noqa: E402
 
 D, H = 64, 128  # model width, expert hidden width
 EXPERTS_PER_RANK = 2
@@ -219,18 +220,9 @@ def reference(steps: int, size: int) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0], steps=300).parse_args()
-    torch.set_num_threads(1)
-    comm = mcrdl.init()
-    _, run = train(comm, args.backend, args.steps, args.overlap)
-    if comm.rank == 0:
-        title = (f"MoE, {comm.size} ranks x {EXPERTS_PER_RANK} experts, top-{TOP_K}, "
-                 f"{MICRO} micro-batches of {TOKENS} tokens, backend {args.backend}, "
-                 f"overlap {'on' if args.overlap else 'off'}; loss of rank 0's tokens")
-        print(run.report(title))
-        if args.plot:
-            run.plot(args.plot, title)
-    mcrdl.finalize()
+    _report.main(__doc__, train, lambda comm: (
+        f"MoE, {comm.size} ranks x {EXPERTS_PER_RANK} experts, top-{TOP_K}, {MICRO} "
+        f"micro-batches of {TOKENS} tokens"))
 
 
 if __name__ == "__main__":
