@@ -90,7 +90,10 @@ class PollPolicy:
             doubles while nothing finishes and resets when something does.
         deep_idle: seconds without work after which the background thread sleeps until a
             submission wakes it (before that it naps ``background_max`` at a time).
-        oversubscribed: more ranks than cores on this node: never spin.
+        oversubscribed: more ranks than cores on this node: never spin; and a waiter for an
+            operation of a self-progressing backend (gloo) naps ``give_way_seconds`` where it
+            would yield the CPU between polls (``give_way``).
+        give_way_seconds: that nap.
     """
 
     spin_polls: int = 64
@@ -105,6 +108,24 @@ class PollPolicy:
     background_max: float = 1e-3
     deep_idle: float = 0.1
     oversubscribed: bool = False
+    give_way_seconds: float = 50e-6
+
+    def give_way(self, fut: CommFuture) -> None:
+        """Let other threads run before the next poll of a waiter for ``fut``.
+
+        ``sched_yield``; but on an oversubscribed node, for an operation of a
+        self-progressing backend (gloo), a ``give_way_seconds`` nap: with more runnable
+        threads than cores, the yield loops of ranks waiting for such an operation (a named
+        one, say, whose agreement rounds on MPI keep MPI work in flight) kept the other
+        ranks' gloo threads, which must move its data, off the CPU: at 4 ranks on 2 cores,
+        one in 8 named gloo alltoallvs took 65-320 ms instead of ~3. Napping for every
+        operation was rejected: small MPI operations at 4 ranks took 2x as long
+        (``benchmarks/versions.py``: 614-776 µs against 258-384).
+        """
+        if self.oversubscribed and fut.lane.track.self_progressing:
+            _sleep(self.give_way_seconds)
+        else:
+            _sched_yield()
 
     @property
     def patience(self) -> float:
@@ -177,11 +198,11 @@ def wait(engine: Engine, fut: CommFuture, timeout: float | None) -> None:
             engine.check_deadlines(engine._clock())
             waited = now - t0
             if engine.needs_polls():
-                _sched_yield()
+                policy.give_way(fut)
             elif waited >= block_at and _may_block(engine, fut):
                 _block(engine, fut, deadline)
             elif waited < patience:
-                _sched_yield()
+                policy.give_way(fut)
             else:
                 _sleep(policy.nap(waited))
     finally:
@@ -300,7 +321,7 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
                 # Nobody to hand the wait to: sleep in the loop instead of spinning it.
                 yield from asyncio.sleep(policy.nap(waited)).__await__()
                 continue
-            _sched_yield()
+            policy.give_way(fut)
             yield  # one event-loop iteration for the other tasks
     finally:
         engine.drivers -= 1

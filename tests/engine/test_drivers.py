@@ -298,3 +298,44 @@ def test_the_background_thread_outlives_a_failure_and_a_raising_callback(mpi, ca
         assert any("Exception in done-callback" in m for m in messages)
     finally:
         engine.close("test over")
+
+@pytest.mark.parametrize("oversubscribed", [False, True])
+def test_a_waiter_for_gloo_naps_between_polls_on_an_oversubscribed_node(oversubscribed,
+                                                                       monkeypatch):
+    """With MPI work in flight a waiter never sleeps long, but between polls it lets other
+    threads run: sched_yield; except, on an oversubscribed node, a waiter for an operation
+    of a self-progressing backend (gloo), which naps give_way_seconds: the yield loops kept
+    other ranks' gloo threads off the CPU (named gloo alltoallvs stalled 65-320 ms at 4 ranks
+    on 2 cores). A waiter for MPI still yields there (napping doubled small MPI operations)."""
+    from mcrdl.engine import PollPolicy, _drivers
+
+    yields, naps = [], []
+    monkeypatch.setattr(_drivers, "_sched_yield", lambda: yields.append(1))
+    monkeypatch.setattr(_drivers, "_sleep", naps.append)
+    mpi = Counting(after=10**9, name="mpi")
+    gloo = ManualBackend(name="gloo", self_progressing=True)
+    policy = PollPolicy(oversubscribed=oversubscribed, spin_polls=0, lone_spins=0,
+                        block_bytes=1 << 62, block_seconds=1e9, await_block_seconds=1e9)
+    engine = Engine(background=False, policy=policy)
+    on_mpi = submit(engine, mpi, "allreduce", comm="a")  # keeps MPI work in flight
+    on_gloo = submit(engine, gloo, "allreduce", comm="b")
+
+    async def awaiting(fut):
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(fut, timeout=0.05)
+
+    for fut, naps_expected in ((on_gloo, oversubscribed), (on_mpi, False)):
+        for wait in (lambda: fut.wait(timeout=0.05), lambda: asyncio.run(awaiting(fut))):
+            yields.clear()
+            naps.clear()
+            try:
+                wait()
+            except TimeoutError:
+                pass
+            if naps_expected:
+                assert not yields and naps and set(naps) == {policy.give_way_seconds}
+            else:
+                assert yields and not naps
+    for backend in (mpi, gloo):
+        backend.finish(backend.started[0])
+    assert on_mpi.wait(timeout=5.0) is None and on_gloo.wait(timeout=5.0) is None
