@@ -354,9 +354,7 @@ class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
 
         def then() -> None:
             for i, (fut, inp) in enumerate(zip(futs, inputs)):
-                flat, k = fut.result(), inp.numel()
-                for r in range(n):
-                    output_lists[r][i].copy_(flat[r * k:(r + 1) * k].reshape(inp.shape))
+                _unpack(fut.result(), inp.numel(), [outs[i] for outs in output_lists])
 
         return _Work(futs, [o for outs in output_lists for o in outs], then)
 
