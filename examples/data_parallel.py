@@ -77,8 +77,8 @@ class GradBuckets:
             self.buckets[-1].append(p)
             size += p.numel() * p.element_size()
         # --backend mix: every other bucket on the alltoall backend, to mix two in one step.
-        self.backends = [backend_for(comm, backend, "allreduce") if backend != "mix" or i % 2
-                         else backend_for(comm, backend, "alltoall")
+        kinds = ("alltoall", "allreduce") if backend == "mix" else ("allreduce",)
+        self.backends = [backend_for(comm, backend, kinds[i % len(kinds)])
                          for i in range(len(self.buckets))]
         self.flat = [torch.empty(sum(p.numel() for p in b)) for b in self.buckets]
         self.where = {p: i for i, b in enumerate(self.buckets) for p in b}
