@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mcrdl  # noqa: E402
-from common import human, parse_sizes  # noqa: E402
+from common import human, parse_sizes, timed  # noqa: E402
 
 
 def main() -> None:
@@ -60,13 +59,7 @@ def main() -> None:
         medians = []
         for fn in (together, one_by_one, ours):
             fn()
-            times = []
-            for _ in range(steps):
-                raw.Barrier()
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            medians.append(statistics.median(times) / k)
+            medians.append(statistics.median(timed(fn, steps, raw.Barrier)) / k)
         rows.append((size, *medians))
     rank = comm.rank
     raw.Free()

@@ -42,6 +42,17 @@ def human(nbytes: int) -> str:
     return f"{nbytes}B"
 
 
+def timed(call: Callable[[], object], reps: int, sync: Callable[[], object]) -> list[float]:
+    """Seconds of each of ``reps`` calls, ``sync()`` (a barrier) before each, not timed."""
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def alternate(call_a: Callable[[], object], call_b: Callable[[], object],
               iters: int) -> tuple[list[float], list[float]]:
     """Seconds of each call of A and of B, timed alternately: A-B, then B-A.

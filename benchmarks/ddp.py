@@ -41,19 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mcrdl  # noqa: E402
 import mcrdl.torch  # noqa: E402
-from common import alternate  # noqa: E402
+from common import alternate, timed  # noqa: E402
 
 _LAYER = 1024  # a 1024 x 1024 float32 weight: 4 MiB
 
 
 def _timed(fn: Callable[[], object], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(timed(fn, reps, dist.barrier))
 
 
 def _in_blocks(steps: dict[str, Callable[[], None]], reps: int, block: int = 6

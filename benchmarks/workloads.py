@@ -29,6 +29,7 @@ torch.distributed per step; overlap hiding at least half in data_parallel and mo
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -41,10 +42,12 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import data_parallel  # noqa: E402
 import dlrm  # noqa: E402
 import moe  # noqa: E402
+from common import timed  # noqa: E402
 
 import mcrdl  # noqa: E402
 
@@ -180,18 +183,11 @@ def main() -> None:
         train = EXAMPLES[name]
         recorder = Recorder(comm)
         train(recorder, "auto", 1, True)
-        replays = 0
+        replays = itertools.count()  # each replay's names are its own
 
         def communication(steps: int) -> list[float]:
-            nonlocal replays
-            times = []
-            for _ in range(steps):
-                comm.barrier().wait()
-                t0 = time.perf_counter()
-                recorder.replay(comm, replays)
-                replays += 1
-                times.append(time.perf_counter() - t0)
-            return times
+            return timed(lambda: recorder.replay(comm, next(replays)), steps,
+                         lambda: comm.barrier().wait())
 
         variants: dict[str, Callable[[int], list[float]]] = {
             f"mcrdl {b}": (lambda s, b=b: train(comm, b, s, True)[1].times) for b in backends}
