@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import time
 
 import pytest
@@ -37,7 +38,8 @@ def _expect_failure(work, kind):
         work.wait()
     assert work.is_completed() and not work.is_success()
     assert isinstance(work.exception(), kind)
-    with pytest.raises(Exception, match=type(info.value).__name__ + "|" + str(info.value)[:40]):
+    with pytest.raises(Exception,
+                       match=f"{type(info.value).__name__}|{re.escape(str(info.value)[:40])}"):
         fut.wait()
     return info.value
 
