@@ -53,24 +53,52 @@ def timed(call: Callable[[], object], reps: int, sync: Callable[[], object]) -> 
     return times
 
 
-def alternate(call_a: Callable[[], object], call_b: Callable[[], object],
-              iters: int) -> tuple[list[float], list[float]]:
+def alternate(call_a: Callable[[], object], call_b: Callable[[], object], iters: int,
+              sync: Callable[[], object] | None = None) -> tuple[list[float], list[float]]:
     """Seconds of each call of A and of B, timed alternately: A-B, then B-A.
 
     Both see the same machine (it drifts here), and neither always runs second: whichever
     does pays for the first's leftovers (gloo finishes bookkeeping on its threads after
-    ``wait()`` returns, and the peer rank may still be in its previous call).
+    ``wait()`` returns, and the peer rank may still be in its previous call). ``sync``: a
+    barrier run before every call, untimed (the shape of a training step: compute, then the
+    first collective, with the ranks arriving together and the caches holding other data).
     """
     a: list[float] = []
     b: list[float] = []
     clock = time.perf_counter
     for i in range(iters):
         first, second, fa, fb = (call_a, call_b, a, b) if i % 2 == 0 else (call_b, call_a, b, a)
+        if sync is not None:
+            sync()
         t0 = clock()
         first()
         t1 = clock()
+        if sync is not None:
+            sync()
+            t1b = clock()
+        else:
+            t1b = t1
         second()
         t2 = clock()
         fa.append(t1 - t0)
-        fb.append(t2 - t1)
+        fb.append(t2 - t1b)
     return a, b
+
+
+def host() -> str:
+    """The CPU model, core count and cache sizes (``lscpu``): figures move between hosts."""
+    import os
+    import subprocess
+
+    fields = {}
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    caches = ", ".join(f"{k} {fields[k]}" for k in ("L1d cache", "L2 cache", "L3 cache")
+                       if k in fields)
+    return (f"{fields.get('Model name', 'unknown CPU')}, {os.cpu_count()} cores"
+            + (f" ({caches})" if caches else ""))
