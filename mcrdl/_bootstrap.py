@@ -2,11 +2,13 @@
 
 - ``mpiexec``/``srun`` (PMI or OpenMPI variables present): MPI is initialized here, at thread
   level SERIALIZED (all MPI calls go through the engine's lock; MULTIPLE doubles the cost of a
-  small call), and the store for gloo is bootstrapped through MPI: rank 0 listens on loopback
-  when every rank shares its host (on ``MCRDL_HOST`` or the host's address otherwise) and
-  broadcasts the port. No MASTER_ADDR/MASTER_PORT needed.
+  small call), and the store for gloo is bootstrapped through MPI: rank 0 serves it on the
+  address every rank agreed on (`_netaddr`: loopback where all ranks share a network,
+  otherwise the first of rank 0's addresses that every rank reached) and broadcasts the
+  port. No MASTER_ADDR/MASTER_PORT needed.
 - ``torchrun`` (``TORCHELASTIC_RUN_ID``, or ``RANK``/``WORLD_SIZE``): no MPI; the store is the
-  launcher's rendezvous (``env://``).
+  launcher's rendezvous (``env://``); across hosts each rank binds the address its route to
+  ``MASTER_ADDR`` leaves from.
 - a store given to ``init(store=, rank=, world_size=)`` (``"store"``: torch.distributed started
   first, e.g. ``dist.init_process_group("mcrdl", store=...)`` under torch's test harness): no
   MPI; rank 0 serves a TCPStore of mcrdl's own on the agreed host and publishes its address
@@ -17,20 +19,25 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 from ._config import Config
 from ._errors import BackendUnavailableError
+from ._netaddr import LOOPBACK, Listeners, describe_reach, local_addresses, net_identity, probe
+from ._netaddr import resolve_host
 
 __all__ = ["Bootstrap", "detect_launcher"]
 
 _MPI_VARS = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
-_LOOPBACK = "127.0.0.1"
+#: Seconds every rank tries to reach rank 0's addresses (a LAN handshake takes milliseconds).
+_PROBE_SECONDS = 10.0
 #: Runtimes brought up from a given store in this process (keys of each bring-up apart).
 _generation = 0
 
@@ -45,17 +52,68 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> str:
     return "single"
 
 
+def _route_to(env: Mapping[str, str]) -> str:
+    """The local address a connection to torchrun's ``MASTER_ADDR`` would leave from."""
+    master = env.get("MASTER_ADDR")
+    if not master:
+        return socket.gethostbyname(socket.gethostname())
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((socket.gethostbyname(master), 9))  # a routing lookup: nothing is sent
+        except OSError as exc:
+            raise BackendUnavailableError(
+                f"no route from this host to MASTER_ADDR={master!r} ({exc}); set MCRDL_HOST"
+                " to the interface that reaches it"
+            ) from exc
+        return str(s.getsockname()[0])
+
+
+#: Why MPI_Finalize must not run at exit (a peer may be gone); None while all is well.
+_peers_lost: str | None = None
+
+
 def import_mpi() -> Any:
-    """mpi4py's MPI module, initialized at thread level SERIALIZED unless the caller chose."""
+    """mpi4py's MPI module, initialized at thread level SERIALIZED unless the caller chose.
+
+    Where mcrdl imports mpi4py first, it also finalizes MPI at exit itself, except after
+    `peers_lost`: MPI_Finalize waits in the launcher for every process of the job, and a
+    process on a host that was cut off never arrives (both sides of a cut link hung there
+    for good after their operations had failed with CommTimeoutError). Leaving without it,
+    the launcher sees the process end unfinalized and ends the job.
+    """
     import sys
 
     if "mpi4py.MPI" not in sys.modules:
+        import atexit
+
         import mpi4py
 
         mpi4py.rc.thread_level = "serialized"
+        mpi4py.rc.finalize = False
+        from mpi4py import MPI
+
+        atexit.register(_finalize_mpi, MPI)
     from mpi4py import MPI
 
     return MPI
+
+
+def peers_lost(why: str) -> None:
+    """Note that a peer may be gone (an operation timed out, or a peer died): MPI is not
+    finalized at exit."""
+    global _peers_lost
+    if _peers_lost is None:
+        _peers_lost = why
+
+
+def _finalize_mpi(MPI: Any) -> None:  # noqa: N803 - the module
+    if MPI.Is_finalized():
+        return
+    if _peers_lost is not None:
+        sys.stderr.write(f"mcrdl: leaving without MPI_Finalize, since {_peers_lost}\n")
+        sys.stderr.flush()
+        return
+    MPI.Finalize()
 
 
 class Bootstrap:
@@ -64,7 +122,9 @@ class Bootstrap:
     Attributes:
         rank, size: this process in the world.
         launcher: ``"mpi"``, ``"torchrun"`` or ``"single"``.
-        host: where to bind listening sockets (loopback when all ranks share a host).
+        host: this rank's address, which its listening sockets bind (gloo's; rank 0's
+            store too): loopback when all ranks share a network, else the address of the
+            interface that reaches rank 0, or ``MCRDL_HOST``'s.
         local_size: ranks on this host.
         timeout: seconds a bring-up step may block.
     """
@@ -86,7 +146,6 @@ class Bootstrap:
             self._prefix = f"mcrdl/{_generation}/"
             names = self._exchange("host", socket.gethostname())
             self.local_size = names.count(names[self.rank])
-            one_host = len(set(names)) == 1
         elif self.launcher == "mpi":
             try:
                 MPI = import_mpi()
@@ -100,20 +159,71 @@ class Bootstrap:
             self.rank, self.size = comm.Get_rank(), comm.Get_size()
             names = comm.allgather(MPI.Get_processor_name())
             self.local_size = names.count(names[self.rank])
-            one_host = len(set(names)) == 1
         elif self.launcher == "torchrun":
             self.rank, self.size = int(env["RANK"]), int(env["WORLD_SIZE"])
             self.local_size = int(env.get("LOCAL_WORLD_SIZE", self.size))
-            one_host = self.local_size == self.size
         else:
             self.rank, self.size, self.local_size = 0, 1, 1
-            one_host = True
-        if config.host:
-            self.host = config.host
-        elif one_host:
-            self.host = _LOOPBACK
-        else:
-            self.host = socket.gethostbyname(socket.gethostname())
+        self.host = self._address(config, env)
+
+    # -- addresses -------------------------------------------------------------------------
+
+    def _allgather(self, what: str, value: Any) -> list[Any]:
+        """Every rank's ``value`` (JSON-able), in rank order, before any store exists."""
+        if self._mpi_comm is not None:
+            return self._mpi_comm.allgather(value)  # type: ignore[no-any-return]
+        return [json.loads(v) for v in self._exchange(what, json.dumps(value))]
+
+    def _address(self, config: Config, env: Mapping[str, str]) -> str:
+        """This rank's address (see ``host``); collective under an MPI launcher or a given
+        store, so that every rank raises together when one cannot find its own."""
+        if self.launcher == "single":
+            return config.host and resolve_host(config.host) or LOOPBACK
+        if self.launcher == "torchrun":
+            if config.host:
+                return resolve_host(config.host)
+            return LOOPBACK if self.local_size == self.size else _route_to(env)
+        mine: str | None = None
+        why = ""
+        try:
+            mine = resolve_host(config.host) if config.host else None
+        except ValueError as exc:
+            why = str(exc)
+        whys = self._allgather("host-check", why)
+        failed = [(r, w) for r, w in enumerate(whys) if w]
+        if failed:
+            raise ValueError("; ".join(f"rank {r}: {w}" for r, w in failed))
+        if mine is not None:
+            return mine
+        if len(set(self._allgather("net", net_identity()))) == 1:
+            return LOOPBACK
+        return self._reach_rank0()
+
+    def _reach_rank0(self) -> str:
+        """The local address of the interface that reaches rank 0, found by every rank
+        connecting to each of rank 0's addresses (`_netaddr`); rank 0's own: the first of its
+        addresses that every rank reached."""
+        listeners = Listeners(local_addresses(), max(self.size, 16)) if self.rank == 0 else None
+        try:
+            offered = self._allgather("offers", listeners.offers if listeners else None)[0]
+            offers = [(str(n), str(a), int(p)) for n, a, p in offered]
+            if self.rank == 0:
+                mine: list[str | None] = [addr for _, addr, _ in offers]
+            else:
+                mine = probe(offers, min(self.timeout, _PROBE_SECONDS))
+            reached = self._allgather("reached", mine)
+        finally:
+            if listeners is not None:
+                listeners.close()
+        for i in range(len(offers)):
+            if all(row[i] is not None for row in reached):
+                return str(reached[self.rank][i])
+        raise BackendUnavailableError(
+            "the ranks are on different networks and not every rank can reach rank 0 on any"
+            f" of its addresses within {min(self.timeout, _PROBE_SECONDS):g} s:"
+            f" {describe_reach(offers, reached)}; check the network between the hosts, or set"
+            " MCRDL_HOST to the interface (or each host's address) the ranks should use"
+        )
 
     def _watch_peer_failures(self) -> None:
         """MPICH's launcher signals SIGUSR1 to the survivors when a rank dies (under
@@ -127,6 +237,7 @@ class Bootstrap:
         signal.signal(signal.SIGUSR1, self._peer_failed)
 
     def _peer_failed(self, signum: int, frame: Any) -> None:
+        peers_lost("a peer process died")
         for callback in list(self.on_peer_failure):
             callback("a peer process died (the MPI launcher signalled SIGUSR1)")
 

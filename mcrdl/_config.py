@@ -10,7 +10,7 @@
 | ``MCRDL_TUNING`` | ``tuning`` | path of a tuning table for ``backend="auto"`` |
 | ``MCRDL_PROGRESS_THREAD`` | ``progress_thread`` | ``0``: no background progress thread |
 | ``MCRDL_FLIGHT_RECORDER`` | ``flight_recorder`` | where a timeout dumps the flight recorder: ``stderr`` or a path |
-| ``MCRDL_HOST`` | ``host`` | address to bind and advertise (default: loopback on one host) |
+| ``MCRDL_HOST`` | ``host`` | this host's interface name or own address, to bind and advertise (default: loopback where all ranks share a network, else the interface that reaches rank 0) |
 """
 
 from __future__ import annotations

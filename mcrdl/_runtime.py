@@ -16,7 +16,7 @@ import numpy as np
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._bootstrap import Bootstrap
+from ._bootstrap import Bootstrap, peers_lost
 from ._communicator import Communicator
 from ._config import Config
 from ._errors import (
@@ -240,6 +240,7 @@ class Runtime:
                     slot.backend.abandon(slot.group)
 
     def _dump_flight_record(self, expired: list[CommFuture], record: str) -> None:
+        peers_lost(f"{expired[0]!r} timed out" if expired else "an operation timed out")
         text = (
             f"mcrdl: {len(expired)} operation(s) timed out on rank "
             f"{self.world.rank}: {', '.join(repr(f) for f in expired)}\n{record}\n"
@@ -332,7 +333,8 @@ def init(
         progress_thread: run the background progress thread (default True).
         flight_recorder: where timeouts dump the flight recorder (``"stderr"`` or a path;
             ``{rank}`` in a path is replaced by the rank).
-        host: address to bind and advertise instead of the default.
+        host: this host's interface name (the same on every host) or its own address, to
+            bind and advertise instead of the one found (see the README, "Several hosts").
         store, rank, world_size: bring the world up from a torch.distributed store shared by
             ``world_size`` processes (this one being ``rank``), as torch's own
             ``init_process_group(store=...)`` does, instead of from the launcher: gloo only.

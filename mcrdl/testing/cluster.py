@@ -1,0 +1,185 @@
+"""An emulated cluster on one machine: N hosts as network namespaces, ranks launched by hydra.
+
+    from mcrdl.testing.cluster import Cluster
+
+    reason = Cluster.unavailable()          # None, or why namespaces cannot be made here
+    result = Cluster(2).run(["python", "examples/mixed_backends.py"], timeout=60)
+    result.returncode, result.output, result.tx_bytes   # bytes each host sent on its link
+
+Everything happens inside a private user, network, mount and PID namespace made by
+``unshare`` (no real root needed; nothing reaches a real network, and when its first process
+ends the kernel ends every process in it): a bridge, and per host a namespace ``h<i>`` with
+one veth into the bridge, address ``198.18.0.<10+i>/24`` (the benchmarking range). MPICH's
+``mpiexec`` runs inside ``h0`` and starts one proxy per host through a ``fake-ssh`` that runs
+its command with ``ip netns exec``. The ranks see different networks, like processes on
+separate hosts, but share this machine's host name, file system and cores.
+
+MPI is made to use TCP (``UCX_TLS=tcp,self`` on the host's one interface): MPICH's default
+UCX transport would otherwise use shared memory between namespaces and move nothing across
+the links. Nothing tells gloo or mcrdl which interface to use: finding it is what is tested.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Cluster", "ClusterResult"]
+
+_UNSHARE = ["unshare", "--user", "--map-root-user", "--net", "--mount", "--pid", "--fork", "--kill-child",
+            "--mount-proc"]
+_SUBNET = "198.18.0"
+
+_FAKE_SSH = """#!/bin/bash
+# hydra's ssh launcher runs: fake-ssh [options] HOST COMMAND...; run COMMAND in HOST's namespace.
+while [[ "$1" == -* ]]; do shift; done
+host="$1"; shift
+exec ip netns exec "$(cat "$(dirname "$0")/hosts/$host")" /bin/sh -c "$*"
+"""
+
+_SCRIPT = """set -u
+D={dir}
+N={hosts}
+mount -t tmpfs none /run && mkdir -p /run/netns "$D/hosts" || exit 97
+ip link add br0 type bridge && ip link set br0 up || exit 97
+hosts=""
+for i in $(seq 0 $((N - 1))); do
+  a={subnet}.$((10 + i))
+  ip netns add h$i && ip link add v$i type veth peer name eth0 netns h$i \\
+    && ip link set v$i master br0 up && ip -n h$i addr add $a/24 dev eth0 \\
+    && ip -n h$i link set eth0 up && ip -n h$i link set lo up || exit 97
+  {shape}
+  echo h$i > "$D/hosts/$a"
+  hosts="$hosts${{hosts:+,}}$a"
+done
+{during}
+ip netns exec h0 {mpiexec} -launcher ssh -launcher-exec "$D/fake-ssh" -hosts "$hosts" \\
+  -n $((N * {per_host})) -ppn {per_host} {argv}
+rc=$?
+for i in $(seq 0 $((N - 1))); do
+  echo "cluster-link h$i tx_bytes $(ip netns exec h$i cat /sys/class/net/eth0/statistics/tx_bytes)"
+done
+exit $rc
+"""
+
+
+@dataclass
+class ClusterResult:
+    """What a run across the emulated hosts left.
+
+    Attributes:
+        returncode: ``mpiexec``'s exit status (124 when the run passed its timeout).
+        output: stdout and stderr of every rank, merged.
+        tx_bytes: bytes each host sent on its link during the run (the interface counter).
+    """
+
+    returncode: int
+    output: str
+    tx_bytes: list[int]
+
+
+class Cluster:
+    """``hosts`` emulated hosts, made for each ``run`` and gone when it ends.
+
+    Args:
+        hosts: how many (each gets one namespace and one link).
+        rate: shape every link to this rate (``tc`` ``tbf``, e.g. ``"1gbit"``); None: as fast
+            as the machine copies.
+    """
+
+    def __init__(self, hosts: int, rate: str | None = None) -> None:
+        if hosts < 1 or hosts > 200:
+            raise ValueError(f"hosts={hosts} must be in [1, 200]")
+        self.hosts = hosts
+        self.rate = rate
+        self.addresses = [f"{_SUBNET}.{10 + i}" for i in range(hosts)]
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """None if namespaces can be made here; otherwise why not (a reason to skip)."""
+        for tool in ("unshare", "ip"):
+            if shutil.which(tool) is None:
+                return f"{tool!r} is not installed (apt-get install util-linux iproute2)"
+        if _mpiexec() is None:
+            return "mpiexec is not installed (pip install mpich)"
+        probe = "ip link add br0 type bridge && ip netns add h0 2>/dev/null; true"
+        try:
+            proc = subprocess.run([*_UNSHARE, "bash", "-c",
+                                   "mount -t tmpfs none /run && mkdir -p /run/netns && " + probe
+                                   + " && ip link show br0 >/dev/null"],
+                                  capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"cannot make namespaces here: {exc}"
+        if proc.returncode != 0:
+            return ("cannot make user and network namespaces here (unshare --user --net: "
+                    f"{proc.stderr.strip()[-300:] or proc.returncode})")
+        return None
+
+    def run(self, argv: list[str], *, timeout: float, per_host: int = 1,
+            env: dict[str, str] | None = None, during: str = "",
+            cwd: str | os.PathLike[str] | None = None) -> ClusterResult:
+        """Run ``argv`` on ``per_host`` ranks per host under hydra; returns when it ended.
+
+        ``env``: added to every rank's environment. ``during``: a shell snippet run in the
+        background outside the hosts while the ranks run (``$D`` is a scratch directory the
+        ranks see as ``MCRDL_CLUSTER_DIR``; ``v<i>`` is host ``i``'s end of its link on the
+        bridge): e.g. wait for a file a rank writes, then ``ip link set v1 down``.
+        """
+        mpiexec = _mpiexec()
+        if mpiexec is None:
+            raise RuntimeError("mpiexec not found; pip install mpich")
+        with tempfile.TemporaryDirectory(prefix="mcrdl-cluster-") as tmp:
+            d = Path(tmp)
+            ssh = d / "fake-ssh"
+            ssh.write_text(_FAKE_SSH)
+            ssh.chmod(0o755)
+            shape = ""
+            if self.rate:
+                rate = shlex.quote(self.rate)
+                shape = (f"ip netns exec h$i tc qdisc add dev eth0 root tbf rate {rate}"
+                         " burst 256kb latency 100ms || exit 97")
+            script = _SCRIPT.format(
+                dir=shlex.quote(tmp), hosts=self.hosts, subnet=_SUBNET, shape=shape,
+                during=f"( {during} ) &" if during else "", mpiexec=shlex.quote(mpiexec),
+                per_host=per_host, argv=" ".join(shlex.quote(a) for a in argv))
+            full_env = dict(os.environ)
+            full_env.update({"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth0",
+                             "MCRDL_CLUSTER_DIR": tmp, "D": tmp})
+            full_env.update(env or {})
+            try:
+                proc = subprocess.run([*_UNSHARE, "bash", "-c", script], env=full_env,
+                                      cwd=cwd, capture_output=True, text=True, timeout=timeout)
+                out, code = proc.stdout + proc.stderr, proc.returncode
+            except subprocess.TimeoutExpired as exc:
+                # Killing unshare's child ends its PID namespace, every rank with it.
+                out = _text(exc.stdout) + _text(exc.stderr)
+                out += f"\n[cluster] did not finish within {timeout} s"
+                code = 124
+        if code == 97:
+            raise RuntimeError(f"could not set up the emulated hosts:\n{out[-3000:]}")
+        tx = [0] * self.hosts
+        lines = []
+        for line in out.splitlines():
+            if line.startswith("cluster-link h"):
+                host, _, count = line[len("cluster-link h"):].partition(" tx_bytes ")
+                tx[int(host)] = int(count or 0)
+            else:
+                lines.append(line)
+        return ClusterResult(code, "\n".join(lines), tx)
+
+
+def _text(data: bytes | str | None) -> str:
+    if data is None:
+        return ""
+    return data if isinstance(data, str) else data.decode(errors="replace")
+
+
+def _mpiexec() -> str | None:
+    here = str(Path(sys.executable).parent)
+    return shutil.which("mpiexec", path=f"{here}{os.pathsep}{os.environ.get('PATH', '')}")

@@ -1,0 +1,93 @@
+"""Across emulated hosts: network namespaces on one machine, one link each (mcrdl.testing.cluster).
+
+Each host has its own network, as separate machines do: loopback reaches only itself, MPI
+talks TCP over the link, and gloo must bind the interface that reaches the others. Nothing
+here names an address or an interface to mcrdl.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+from mcrdl.testing.cluster import Cluster
+from tests.launch import ROOT
+
+pytestmark = [pytest.mark.multirank,
+              pytest.mark.skipif(Cluster.unavailable() is not None,
+                                 reason=f"no emulated hosts here: {Cluster.unavailable()}")]
+
+ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+       "MCRDL_TIMEOUT": "30", "MCRDL_MULTIRANK": "1"}
+
+
+def _run(hosts: int, argv: list[str], timeout: float = 240, **kw) -> str:
+    result = Cluster(hosts).run([sys.executable, *argv], timeout=timeout, cwd=ROOT,
+                                env={**ENV, **kw.pop("env", {})}, **kw)
+    assert result.returncode == 0, f"exit {result.returncode}:\n{result.output[-8000:]}"
+    return result.output
+
+
+@pytest.mark.parametrize("hosts", [2, 4])
+def test_each_rank_binds_the_interface_that_reaches_rank_0_and_both_backends_cross_it(hosts):
+    out = _run(hosts, ["tests/multirank/cluster_check.py"])
+    found = dict(re.findall(r"host rank=(\d+) address=(\S+)", out))
+    assert found == {str(i): f"198.18.0.{10 + i}" for i in range(hosts)}, out[-3000:]
+    links = re.findall(r"link rank=(\d+) backend=(\w+) sent=(\d+) payload=(\d+)", out)
+    assert len(links) == 2 * hosts, out[-3000:]
+    for rank, backend, sent, payload in links:
+        # An allreduce sends at least (n-1)/n of the payload from every rank; nothing is
+        # sent on the link when a backend takes shared memory or loopback instead.
+        assert int(sent) >= int(payload) * (hosts - 1) // hosts, (rank, backend, sent)
+
+
+@pytest.mark.parametrize("hosts", [2, 4])
+def test_the_contract_suite_across_hosts(hosts):
+    out = _run(hosts, ["-m", "pytest", "tests/multirank/test_contract.py", "-q", "-x",
+                       "-p", "no:cacheprovider", "--timeout", "180", "--timeout-method",
+                       "thread"], timeout=400)
+    assert len(re.findall(r"\d+ passed", out)) == hosts, out[-3000:]
+
+
+def test_ddp_and_mixed_backends_across_hosts():
+    out = _run(2, ["-m", "pytest", "tests/multirank/test_torch_backend.py", "-q", "-x",
+                   "-p", "no:cacheprovider", "-k", "ddp or every_kind", "--timeout", "180",
+                   "--timeout-method", "thread"], timeout=400)
+    assert len(re.findall(r"\d+ passed", out)) == 2, out[-3000:]
+    out = _run(2, ["examples/mixed_backends.py"])
+    assert "results verified" in out, out[-3000:]
+
+
+def test_a_cut_link_fails_every_ranks_operations_within_the_timeout_and_no_rank_is_left(
+        tmp_path):
+    """The last host's link goes down mid-run: each rank's next operations fail with an
+    mcrdl error within the timeout (the cut-off host's too), and every rank's process ends
+    (none waits in MPI_Finalize for a host that cannot answer: before mcrdl skipped it once a
+    peer may be gone, both sides of the cut hung there for good). Hydra's mpiexec itself
+    keeps waiting for the cut-off host's proxy; the test ends it once no rank is left."""
+    hosts, timeout = 3, 4
+    ranks = f"^{sys.executable} tests/multirank/cluster_dead.py"
+    # Outside the hosts: cut the link once rank 0 says all are up, then count the ranks'
+    # processes every 0.2 s and note when none is left (or give up after 60 s).
+    during = (f'while [ ! -e "$D/ready" ]; do sleep 0.05; done; ip link set v{hosts - 1} down;'
+              f' s=$(date +%s%N); for i in $(seq 300); do'
+              f' if [ "$(pgrep -fc "{ranks}")" = 0 ]; then'
+              f' echo $(( ($(date +%s%N) - s) / 1000000 )) > {tmp_path}/gone_ms; break; fi;'
+              f' sleep 0.2; done; pkill -f mpiexec')
+    result = Cluster(hosts).run(
+        [sys.executable, "tests/multirank/cluster_dead.py"], timeout=120, cwd=ROOT,
+        env={**ENV, "MCRDL_TIMEOUT": str(timeout), "MCRDL_RESULT_DIR": str(tmp_path)},
+        during=during)
+    reports = sorted(p.read_text() for p in tmp_path.glob("rank*.txt"))
+    assert len(reports) == hosts, (reports, result.output[-4000:])
+    for line in reports:
+        m = re.match(r"rank=\d+ mpi=(\w+) gloo=(\w+) after=([\d.]+)", line)
+        assert m, line
+        assert m[1] != "none" and m[2] != "none", line
+        assert float(m[3]) <= 2 * timeout + 2, line
+    gone = tmp_path / "gone_ms"
+    assert gone.exists(), f"rank processes still ran 60 s after the cut:\n{result.output[-4000:]}"
+    # Each rank: its operations' timeout, then finalize's wait for what is in flight.
+    assert int(gone.read_text()) <= (3 * timeout + 5) * 1000, gone.read_text()
