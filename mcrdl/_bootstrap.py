@@ -275,13 +275,26 @@ class Bootstrap:
             host, port = self._given.get(key).decode().split()
             return dist.TCPStore(host, int(port), self.size, False, timeout)  # type: ignore[attr-defined]
         comm = self._mpi_comm
+        why = ""
         if self.rank == 0:
             store, port = self._serve(timeout)
             comm.bcast((self.host, port), root=0)
         else:
             host, port = comm.bcast(None, root=0)
-            store = dist.TCPStore(host, port, self.size, False, timeout)  # type: ignore[attr-defined]
-        comm.Barrier()
+            try:
+                store = dist.TCPStore(host, port, self.size, False, timeout)  # type: ignore[attr-defined]
+            except Exception as exc:  # noqa: BLE001 - reported on every rank below
+                why = f"rank {self.rank} ({self.host}): {str(exc).splitlines()[0]}"
+        # Every rank learns whether all connected (a barrier would leave rank 0 waiting for
+        # good for a rank that failed and left).
+        failed = [w for w in comm.allgather(why) if w]
+        if failed:
+            where = comm.bcast(None if self.rank else (self.host, port), root=0)
+            raise BackendUnavailableError(
+                f"{len(failed)} rank(s) could not connect to rank 0's store at"
+                f" {where[0]}:{where[1]}: {'; '.join(failed)}; set MCRDL_HOST to the interface"
+                " the ranks reach each other on"
+            )
         return store
 
     def _serve(self, timeout: datetime.timedelta) -> tuple[Any, int]:

@@ -91,3 +91,46 @@ def test_a_cut_link_fails_every_ranks_operations_within_the_timeout_and_no_rank_
     assert gone.exists(), f"rank processes still ran 60 s after the cut:\n{result.output[-4000:]}"
     # Each rank: its operations' timeout, then finalize's wait for what is in flight.
     assert int(gone.read_text()) <= (3 * timeout + 5) * 1000, gone.read_text()
+
+
+def test_an_address_the_others_cannot_reach_fails_init_on_every_rank_naming_it():
+    """MCRDL_HOST=127.0.0.1 across hosts: rank 0 serves its store where nobody else can
+    connect. Every rank raises, naming the address, within the timeout (rank 0 used to wait
+    in a barrier for good for the ranks that had failed and left)."""
+    result = Cluster(2).run([sys.executable, "examples/mixed_backends.py"], timeout=120,
+                            cwd=ROOT, env={**ENV, "MCRDL_HOST": "127.0.0.1", "MCRDL_TIMEOUT": "3"})
+    assert result.returncode not in (0, 124), result.output[-4000:]
+    message = "1 rank(s) could not connect to rank 0's store at 127.0.0.1:"
+    assert result.output.count(message) == 2, result.output[-4000:]
+
+
+def test_a_killed_rank_on_another_host_fails_the_survivors_operations_and_the_job_ends(
+        tmp_path):
+    """kill -9 of the last host's rank (under ``-disable-auto-cleanup``, so that hydra lets
+    the survivors see it): the survivors' next operations fail with an mcrdl error within the
+    timeout, and the job ends with no rank left. Hydra sometimes ends the survivors itself
+    right after the death (tests/test_multirank.py's dead-peer test sees the same on one
+    host), so the launch is repeated until both survivors have reported once."""
+    hosts, timeout = 3, 4
+    kill = (f'while [ ! -e "$D/ready" ]; do sleep 0.05; done;'
+            f' for p in $(ip netns pids h{hosts - 1}); do'
+            f' grep -q cluster_dead /proc/$p/cmdline 2>/dev/null && kill -9 $p; done')
+    for attempt in range(6):
+        out = tmp_path / f"attempt{attempt}"
+        out.mkdir()
+        result = Cluster(hosts).run(
+            [sys.executable, "tests/multirank/cluster_dead.py"], timeout=90, cwd=ROOT,
+            env={**ENV, "MCRDL_TIMEOUT": str(timeout), "MCRDL_RESULT_DIR": str(out)},
+            during=kill, launcher_args=("-disable-auto-cleanup",))
+        # The job ended by itself: mpiexec returns once no rank of it is left.
+        assert result.returncode != 124, result.output[-4000:]
+        reports = sorted(p.read_text() for p in out.glob("rank*.txt"))
+        for line in reports:
+            m = re.match(r"rank=(\d+) mpi=(\w+) gloo=(\w+) after=([\d.]+)", line)
+            assert m and m[1] != str(hosts - 1), line
+            assert m[2] != "none" and m[3] != "none", line
+            assert float(m[4]) <= 2 * timeout + 2, line
+        if len(reports) == hosts - 1:
+            print(reports)
+            return
+    pytest.fail(f"the survivors never both reported in {attempt + 1} launches")

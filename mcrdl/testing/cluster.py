@@ -60,7 +60,7 @@ for i in $(seq 0 $((N - 1))); do
 done
 {during}
 ip netns exec h0 {mpiexec} -launcher ssh -launcher-exec "$D/fake-ssh" -hosts "$hosts" \\
-  -n $((N * {per_host})) -ppn {per_host} {argv}
+  -n $((N * {per_host})) -ppn {per_host} {launcher_args} {argv}
 rc=$?
 for i in $(seq 0 $((N - 1))); do
   echo "cluster-link h$i tx_bytes $(ip netns exec h$i cat /sys/class/net/eth0/statistics/tx_bytes)"
@@ -123,13 +123,15 @@ class Cluster:
 
     def run(self, argv: list[str], *, timeout: float, per_host: int = 1,
             env: dict[str, str] | None = None, during: str = "",
-            cwd: str | os.PathLike[str] | None = None) -> ClusterResult:
+            cwd: str | os.PathLike[str] | None = None,
+            launcher_args: tuple[str, ...] = ()) -> ClusterResult:
         """Run ``argv`` on ``per_host`` ranks per host under hydra; returns when it ended.
 
         ``env``: added to every rank's environment. ``during``: a shell snippet run in the
         background outside the hosts while the ranks run (``$D`` is a scratch directory the
         ranks see as ``MCRDL_CLUSTER_DIR``; ``v<i>`` is host ``i``'s end of its link on the
         bridge): e.g. wait for a file a rank writes, then ``ip link set v1 down``.
+        ``launcher_args``: more options for ``mpiexec`` (``-disable-auto-cleanup``).
         """
         mpiexec = _mpiexec()
         if mpiexec is None:
@@ -147,7 +149,8 @@ class Cluster:
             script = _SCRIPT.format(
                 dir=shlex.quote(tmp), hosts=self.hosts, subnet=_SUBNET, shape=shape,
                 during=f"( {during} ) &" if during else "", mpiexec=shlex.quote(mpiexec),
-                per_host=per_host, argv=" ".join(shlex.quote(a) for a in argv))
+                per_host=per_host, argv=" ".join(shlex.quote(a) for a in argv),
+                launcher_args=" ".join(shlex.quote(a) for a in launcher_args))
             full_env = dict(os.environ)
             full_env.update({"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth0",
                              "MCRDL_CLUSTER_DIR": tmp, "D": tmp})
