@@ -81,6 +81,7 @@ class Bench:
         self.n = comm.size
         self.raw_mpi = MPI.COMM_WORLD.Dup()
         self.alone = comm.split(comm.rank)  # a communicator of one: MPI finishes at issue
+        self.raw_alone = self.raw_mpi.Split(comm.rank)
         self.gc_time = 0.0
         self._gc_t0 = 0.0
         gc.callbacks.append(self._gc_watch)
@@ -106,8 +107,9 @@ class Bench:
             "reduce_scatter": lambda: c.Reduce_scatter_block(a, o),
         }[op]
 
-    def raw_mpi_nonblocking(self, op: str, t: torch.Tensor, out: torch.Tensor):
-        a, o, c, IN_PLACE = t.numpy(), out.numpy(), self.raw_mpi, self.MPI.IN_PLACE
+    def raw_mpi_nonblocking(self, op: str, t: torch.Tensor, out: torch.Tensor, c=None):
+        a, o, IN_PLACE = t.numpy(), out.numpy(), self.MPI.IN_PLACE
+        c = self.raw_mpi if c is None else c
         start = {
             "allreduce": lambda: c.Iallreduce(IN_PLACE, a),
             "alltoall": lambda: c.Ialltoall(a, o),
@@ -146,9 +148,9 @@ class Bench:
             "reduce_scatter": lambda: c.reduce_scatter(t, out=out, backend=backend),
         }[op]
 
-    def mcrdl_wait(self, op: str, t: torch.Tensor, out: torch.Tensor, backend: str):
+    def mcrdl_wait(self, op: str, t: torch.Tensor, out: torch.Tensor, backend: str, c=None):
         """Submit and wait in one call, as a training loop writes it (no extra frame)."""
-        c = self.comm
+        c = self.comm if c is None else c
         return {
             "allreduce": lambda: c.allreduce(t, backend=backend).wait(),
             "alltoall": lambda: c.alltoall(t, out=out, backend=backend).wait(),
@@ -221,9 +223,10 @@ class Bench:
             a, b = asyncio.run(run())
         return self._pair(a, b, iters)
 
-    def buffers(self, op: str, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``op``'s input of about ``nbytes`` and its output (every rank's share whole)."""
-        n = self.n
+    def buffers(self, op: str, nbytes: int, n: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``op``'s input of about ``nbytes`` and its output (every rank's share whole), for a
+        communicator of ``n`` ranks (default: the world)."""
+        n = n or self.n
         elems = max(1, nbytes // 4)
         if op in ("alltoall", "reduce_scatter"):
             elems = max(n, elems // n * n)
@@ -245,6 +248,17 @@ class Bench:
         # Every figure is reduced over the ranks already (Pair): the same on every rank.
         return {"nb": wait.a, "wait": wait.b, "nb_rank": wait.a_rank, "wait_rank": wait.b_rank,
                 "blocking": blocking.b, "await_nb": awaited.a, "await": awaited.b}
+
+    def floor_point(self, op: str, nbytes: int, scale: float) -> dict[str, float]:
+        """The engine's own cost per operation: mcrdl's ``.wait()`` against raw nb on a
+        communicator of one rank, where MPI finishes at issue. An operation between ranks pays
+        it at least once (its front before the issue, its settle after), so mcrdl's excess
+        over raw nb at 2 ranks cannot be below it."""
+        t, out = self.buffers(op, nbytes, 1)
+        iters = 5 * iters_for(nbytes, scale)
+        pair = self.time_pair(self.raw_mpi_nonblocking(op, t, out, self.raw_alone),
+                              self.mcrdl_wait(op, t, out, "mpi", self.alone), iters)
+        return {"nb": pair.a, "wait": pair.b}
 
     def gloo_point(self, op: str, nbytes: int, scale: float) -> dict[str, float]:
         """mcrdl over gloo against raw torch.distributed gloo, with raw gloo's A/A noise."""
@@ -337,7 +351,7 @@ def latency_table(bench: Bench, sizes: list[int], ops: list[str], scale: float,
     rows = []
     for op in ops:
         for nbytes in sizes:
-            r: dict = {"op": op, "bytes": nbytes}
+            r: dict = {"op": op, "bytes": nbytes, "floor": bench.floor_point(op, nbytes, scale)}
             for barrier in modes:
                 point = bench.mpi_point(op, nbytes, scale, barrier)
                 point["verdict"] = mpi_verdict(nbytes, point)
@@ -356,8 +370,8 @@ def header(modes: list[bool], gloo: bool) -> str:
     mpi = (f" {'raw nb':>8} {'raw blk':>8} {'wait':>8} {'+µs':>6} {'nb/wait':>7}"
            f" {'await':>8} {'+µs':>6} {'target':>6}")
     names = {False: "back to back", True: "barrier before each call"}
-    top = f"{'':<14} {'':>7} |" + "|".join(f" {names[m]:<{len(mpi) - 1}}" for m in modes)
-    cols = f"{'op':<14} {'size':>7} |" + "|".join(mpi for _ in modes)
+    top = f"{'':<14} {'':>7} {'floor':>6} |" + "|".join(f" {names[m]:<{len(mpi) - 1}}" for m in modes)
+    cols = f"{'op':<14} {'size':>7} {'+µs':>6} |" + "|".join(mpi for _ in modes)
     if gloo:
         top += f"| {'gloo':<46}"
         cols += (f"| {'raw':>8} {'wait':>8} {'ratio':>5} {'A/A':>5} {'await':>8} {'ratio':>5}"
@@ -367,7 +381,8 @@ def header(modes: list[bool], gloo: bool) -> str:
 
 def format_row(r: dict, modes: list[bool], gloo: bool) -> str:
     us = 1e6
-    line = f"{r['op']:<14} {human(r['bytes']):>7} |"
+    floor = (r["floor"]["wait"] - r["floor"]["nb"]) * us
+    line = f"{r['op']:<14} {human(r['bytes']):>7} {floor:+6.1f} |"
     cells = []
     for barrier in modes:
         m = r["barrier" if barrier else "free"]
@@ -389,6 +404,10 @@ def summary(rows: list[dict], modes: list[bool]) -> None:
     classes = (("<= 4K", lambda b: b <= 4096, "+µs"), ("16K-256K", lambda b: 4096 < b < 1 << 20, "+µs"),
                (">= 1M", lambda b: b >= 1 << 20, "nb/wait"))
     print("\n# summary of mcrdl over mpi, .wait() against raw nb")
+    floors = [(r["floor"]["wait"] - r["floor"]["nb"]) * us for r in rows if r["bytes"] <= 4096]
+    if floors:
+        print(f"  floor        <= 4K     +{min(floors):.1f} to +{max(floors):.1f} µs: the engine"
+              " alone, on a communicator of one rank (MPI finishes at issue)")
     for barrier in modes:
         mode = "barrier" if barrier else "free"
         for label, member, unit in classes:
@@ -429,6 +448,8 @@ def main() -> None:
     if comm.rank == 0:
         print(f"# mcrdl {mcrdl.__version__} overhead, {comm.size} ranks, {report['host']};"
               " median µs of the slowest rank per call\n"
+              "# floor +µs = mcrdl .wait() - raw nb on a communicator of one rank (the engine"
+              " alone: MPI finishes at issue)\n"
               "# raw nb = mpi4py Ixxx + Test loop (the floor); raw blk = blocking call;"
               " +µs = mcrdl - raw nb timed in the same pairs; nb/wait = raw nb time / mcrdl's;"
               "\n# target: <= 4K +4 µs (await +6), 16K-256K +5 µs, >= 1M 0.9x, >= 4M 0.95x;"
