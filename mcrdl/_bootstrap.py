@@ -68,21 +68,15 @@ def _route_to(env: Mapping[str, str]) -> str:
         return str(s.getsockname()[0])
 
 
-#: Why MPI_Finalize must not run at exit (a peer may be gone); None while all is well.
-_peers_lost: str | None = None
-
-
 def import_mpi() -> Any:
     """mpi4py's MPI module, initialized at thread level SERIALIZED unless the caller chose.
 
-    Where mcrdl imports mpi4py first, it also finalizes MPI at exit itself, except after
-    `peers_lost`: MPI_Finalize waits in the launcher for every process of the job, and a
-    process on a host that was cut off never arrives (both sides of a cut link hung there
-    for good after their operations had failed with CommTimeoutError). Leaving without it,
-    the launcher sees the process end unfinalized and ends the job.
+    Where mcrdl imports mpi4py first, it also finalizes MPI at exit itself (`finalize_mpi`,
+    an ``atexit`` function) instead of mpi4py (which does it after the interpreter has
+    stopped every thread): after failed operations MPI_Finalize can wait in the launcher for
+    good for a process that will never come (a host cut off), and the runtime's exit
+    watchdog, a thread, can end the process only while threads still run.
     """
-    import sys
-
     if "mpi4py.MPI" not in sys.modules:
         import atexit
 
@@ -92,28 +86,20 @@ def import_mpi() -> Any:
         mpi4py.rc.finalize = False
         from mpi4py import MPI
 
-        atexit.register(_finalize_mpi, MPI)
+        atexit.register(finalize_mpi)
     from mpi4py import MPI
 
     return MPI
 
 
-def peers_lost(why: str) -> None:
-    """Note that a peer may be gone (an operation timed out, or a peer died): MPI is not
-    finalized at exit."""
-    global _peers_lost
-    if _peers_lost is None:
-        _peers_lost = why
-
-
-def _finalize_mpi(MPI: Any) -> None:  # noqa: N803 - the module
-    if MPI.Is_finalized():
-        return
-    if _peers_lost is not None:
-        sys.stderr.write(f"mcrdl: leaving without MPI_Finalize, since {_peers_lost}\n")
-        sys.stderr.flush()
-        return
-    MPI.Finalize()
+def finalize_mpi() -> None:
+    """MPI_Finalize, unless MPI is not up or is finalized already; then disarm the alarm the
+    runtime may have set at exit to bound it (`mcrdl._runtime._finalize_at_exit`)."""
+    MPI = sys.modules.get("mpi4py.MPI")  # noqa: N806 - the module
+    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+        if threading.current_thread() is threading.main_thread():
+            signal.alarm(0)
 
 
 class Bootstrap:
@@ -237,7 +223,6 @@ class Bootstrap:
         signal.signal(signal.SIGUSR1, self._peer_failed)
 
     def _peer_failed(self, signum: int, frame: Any) -> None:
-        peers_lost("a peer process died")
         for callback in list(self.on_peer_failure):
             callback("a peer process died (the MPI launcher signalled SIGUSR1)")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
 import threading
 
@@ -16,7 +17,7 @@ import numpy as np
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._bootstrap import Bootstrap, peers_lost
+from ._bootstrap import Bootstrap, finalize_mpi
 from ._communicator import Communicator
 from ._config import Config
 from ._errors import (
@@ -240,7 +241,6 @@ class Runtime:
                     slot.backend.abandon(slot.group)
 
     def _dump_flight_record(self, expired: list[CommFuture], record: str) -> None:
-        peers_lost(f"{expired[0]!r} timed out" if expired else "an operation timed out")
         text = (
             f"mcrdl: {len(expired)} operation(s) timed out on rank "
             f"{self.world.rank}: {', '.join(repr(f) for f in expired)}\n{record}\n"
@@ -401,7 +401,7 @@ def finalize() -> None:
 
 _unhealthy = False
 #: Seconds MPI_Finalize may take at exit after operations failed before the process is ended.
-EXIT_GRACE = 5.0
+EXIT_GRACE = 5
 
 
 def _finalize_at_exit() -> None:
@@ -410,29 +410,16 @@ def _finalize_at_exit() -> None:
             runtime.finalize()
         except Exception as exc:  # noqa: BLE001 - report, but let the interpreter exit
             sys.stderr.write(f"mcrdl: finalize at exit failed: {exc}\n")
-    if _unhealthy and "mpi4py.MPI" in sys.modules:
-        # After failures (a dead peer, a timeout) MPI_Finalize, which runs after this (or in
-        # linger), can wait forever for the lost rank: end the process if it has not exited
-        # by then.
-        threading.Thread(target=_exit_later, name="mcrdl-exit-watchdog", daemon=True).start()
+    if _unhealthy and "mpi4py.MPI" in sys.modules and threading.current_thread() is threading.main_thread():
+        # After failures (a dead peer, a timeout, a host cut off) MPI_Finalize, which runs
+        # after this, can wait forever in the launcher for a process that never comes. An
+        # alarm whose default action ends the process bounds it: a watchdog thread cannot,
+        # since MPI_Finalize holds the GIL (and mpi4py's own runs after the interpreter has
+        # stopped every thread). `finalize_mpi` disarms it once MPI_Finalize returned.
+        sys.stderr.write(f"mcrdl: operations failed; MPI_Finalize has {EXIT_GRACE} s before"
+                         " this process is ended (SIGALRM)\n")
+        sys.stderr.flush()
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(EXIT_GRACE)
     # No thread may wake inside a backend while the interpreter finalizes.
-    linger(before=_finalize_mpi)
-
-
-def _finalize_mpi() -> None:
-    """Finalize MPI now, not after the interpreter (as mpi4py would): a peer process ends
-    only after MPI_Finalize, which waits for every rank, so a rank waiting in ``linger`` for
-    a peer to end would otherwise wait until the backend's timeout."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()
-
-
-def _exit_later() -> None:
-    import time
-
-    time.sleep(EXIT_GRACE)
-    sys.stderr.write(f"mcrdl: MPI_Finalize did not return within {EXIT_GRACE:g} s after "
-                     "failed operations; exiting with status 1\n")
-    sys.stderr.flush()
-    os._exit(1)
+    linger(before=finalize_mpi)

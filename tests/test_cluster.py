@@ -89,8 +89,9 @@ def test_a_cut_link_fails_every_ranks_operations_within_the_timeout_and_no_rank_
         assert float(m[3]) <= 2 * timeout + 2, line
     gone = tmp_path / "gone_ms"
     assert gone.exists(), f"rank processes still ran 60 s after the cut:\n{result.output[-4000:]}"
-    # Each rank: its operations' timeout, then finalize's wait for what is in flight.
-    assert int(gone.read_text()) <= (3 * timeout + 5) * 1000, gone.read_text()
+    # Each rank: its operations' timeouts, finalize's wait for what is in flight, then at
+    # most EXIT_GRACE (5 s) in MPI_Finalize before its alarm ends it; 15 s here.
+    assert int(gone.read_text()) <= (4 * timeout + 10) * 1000, gone.read_text()
 
 
 def test_an_address_the_others_cannot_reach_fails_init_on_every_rank_naming_it():

@@ -62,6 +62,7 @@ done
 ip netns exec h0 {mpiexec} -launcher ssh -launcher-exec "$D/fake-ssh" -hosts "$hosts" \\
   -n $((N * {per_host})) -ppn {per_host} {launcher_args} {argv}
 rc=$?
+wait  # for the snippet run during the job: it may watch what the job left
 for i in $(seq 0 $((N - 1))); do
   echo "cluster-link h$i tx_bytes $(ip netns exec h$i cat /sys/class/net/eth0/statistics/tx_bytes)"
 done
@@ -130,7 +131,8 @@ class Cluster:
         ``env``: added to every rank's environment. ``during``: a shell snippet run in the
         background outside the hosts while the ranks run (``$D`` is a scratch directory the
         ranks see as ``MCRDL_CLUSTER_DIR``; ``v<i>`` is host ``i``'s end of its link on the
-        bridge): e.g. wait for a file a rank writes, then ``ip link set v1 down``.
+        bridge): e.g. wait for a file a rank writes, then ``ip link set v1 down``. The hosts
+        are torn down only once it has ended too.
         ``launcher_args``: more options for ``mpiexec`` (``-disable-auto-cleanup``).
         """
         mpiexec = _mpiexec()
