@@ -32,6 +32,7 @@ from ._errors import (
     UnknownBackendError,
     UnsupportedOperationError,
 )
+from ._observe import span
 from ._runtime import Runtime, current_runtime, finalize, init
 from ._types import DType, OpKind, ReduceOp
 from .engine import CommFuture, EngineStats
@@ -63,5 +64,6 @@ __all__ = [
     "UnsupportedOperationError",
     "current_runtime",
     "finalize",
+    "span",
     "init",
 ]

@@ -638,6 +638,19 @@ class Communicator:
         )
         return self._runtime.make_communicator(self, f"{self.name}.{n}c{color}", members)
 
+    def log_summary(self) -> str:
+        """The comms log's summary (``init(log=True)`` or ``MCRDL_LOG=1``): per (op, backend,
+        size bucket), the count, total and mean latency, p50, p99, algbw and busbw
+        (nccl-tests' definitions) over every member, and the slowest member. Collective: every
+        member calls it (it gathers through the bootstrap store, not this communicator, so it
+        works after a failure too). Covers this runtime's operations on every communicator.
+
+        Raises:
+            MCRDLError: the log is off.
+        """
+        text = self._runtime.log_summary(self)
+        return text if text is not None else ""
+
     def close(self) -> None:
         """Wait for this communicator's operations, then release its backend groups.
 

@@ -10,6 +10,8 @@
 | ``MCRDL_TUNING`` | ``tuning`` | path of a tuning table for ``backend="auto"`` |
 | ``MCRDL_PROGRESS_THREAD`` | ``progress_thread`` | ``0``: no background progress thread |
 | ``MCRDL_FLIGHT_RECORDER`` | ``flight_recorder`` | where a timeout dumps the flight recorder: ``stderr`` or a path |
+| ``MCRDL_LOG`` | ``log`` | ``1``: record every operation; a summary at ``finalize()`` (``comm.log_summary()``) |
+| ``MCRDL_TRACE`` | ``trace`` | write a timeline of every rank's operations here at ``finalize()`` (trace-event JSON) |
 | ``MCRDL_HOST`` | ``host`` | this host's interface name or own address, to bind and advertise (default: loopback where all ranks share a network, else the interface that reaches rank 0) |
 """
 
@@ -63,6 +65,8 @@ class Config:
     progress_thread: bool = True
     flight_recorder: str = "stderr"
     host: str | None = None
+    log: bool = False
+    trace: str | None = None
 
     @classmethod
     def load(
@@ -75,6 +79,8 @@ class Config:
         progress_thread: bool | None = None,
         flight_recorder: str | None = None,
         host: str | None = None,
+        log: bool | None = None,
+        trace: str | None = None,
         environ: Mapping[str, str] | None = None,
     ) -> Config:
         """Merge ``init()`` arguments (None: not given) over ``environ`` (default os.environ)."""
@@ -101,4 +107,6 @@ class Config:
             progress_thread=bool(progress_thread),
             flight_recorder=flight_recorder or env.get("MCRDL_FLIGHT_RECORDER") or "stderr",
             host=host or env.get("MCRDL_HOST") or None,
+            log=bool(log) if log is not None else _flag("MCRDL_LOG", env.get("MCRDL_LOG", "0")),
+            trace=trace or env.get("MCRDL_TRACE") or None,
         )

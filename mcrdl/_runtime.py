@@ -8,6 +8,7 @@ per-process resources); after ``finalize()`` a new ``init()`` may start another.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import sys
@@ -26,6 +27,7 @@ from ._errors import (
     RuntimeFinalizedError,
 )
 from ._notices import Notices
+from ._observe import Recorder, format_summary, summarize, trace_events
 from ._select import DEFAULT_PREFERENCE, Selector, Slot
 from .backends import Backend, backend_class, known_backends
 from .backends._threaded import ThreadedBackend, Threads
@@ -104,6 +106,62 @@ class Runtime:
         size = next(iter(worlds.values())).size
         extra = self._extra_groups(worlds, list(range(size)), "world")
         self.world = self._communicator("world", worlds, tuple(range(size)), *extra)
+        #: The comms log and trace (`mcrdl._observe`), while either is on.
+        self.recorder: Recorder | None = None
+        if config.log or config.trace:
+            self.recorder = Recorder(self.engine, self.world.rank, size)
+            if config.trace and bootstrap is not None and size > 1:
+                self.recorder.align(bootstrap.store(), bootstrap.timeout)
+
+    # -- the comms log and trace -----------------------------------------------------------
+
+    def _gather(self, comm: Communicator, payload: Any, everyone: bool) -> list[Any] | None:
+        """Every member's ``payload`` through the bootstrap store (see Recorder.gather)."""
+        rec = self.recorder
+        if rec is None or comm.size == 1 or self.bootstrap is None:
+            return [payload]
+        return rec.gather(self.bootstrap.store(), comm.members, comm.rank, payload,
+                          min(self.config.timeout or 60.0, 60.0), everyone)
+
+    def log_summary(self, comm: Communicator, everyone: bool = True) -> str | None:
+        """The comms log's summary over ``comm``'s members (collective over them): this
+        runtime's operations on every communicator, per (op, backend, size bucket)."""
+        if self.recorder is None:
+            raise MCRDLError("the comms log is off: pass init(log=True) or set MCRDL_LOG=1")
+        gathered = self._gather(comm, self.recorder.records(), everyone)
+        if gathered is None:
+            return None
+        text = format_summary(summarize([g for g in gathered if g is not None]))
+        missing = [comm.members[i] for i, g in enumerate(gathered) if g is None]
+        if missing:
+            text += f"\n(ranks {missing} did not report within the timeout)"
+        return text
+
+    def _report(self) -> None:
+        """At finalize: the log's summary (printed on rank 0) and the trace (written by
+        rank 0), each gathered over the world."""
+        rec = self.recorder
+        if rec is None:
+            return
+        if self.config.log:
+            text = self.log_summary(self.world, everyone=False)
+            if text is not None:
+                print(text, flush=True)
+        if self.config.trace:
+            payload = {"records": rec.records(), "edges": rec.edges(), "spans": rec.spans,
+                       "offset": rec.offset, "skew_bound": rec.skew_bound, "t0": rec.t0}
+            gathered = self._gather(self.world, payload, False)
+            if gathered is None:
+                return
+            here = [g for g in gathered if g is not None]
+            doc = {"traceEvents": trace_events(gathered, here[0]["t0"] if here else 0.0),
+                   "displayTimeUnit": "ms",
+                   "otherData": {"mcrdl": "trace", "ranks": len(gathered),
+                                 "clock_skew_bound_us": [
+                                     None if g is None else round(g["skew_bound"] * 1e6, 1)
+                                     for g in gathered]}}
+            with open(self.config.trace, "w", encoding="utf-8") as fh:
+                json.dump(doc, fh)
 
     def backend(self, name: str) -> Backend:
         """The backend object ``name`` (for benchmarks and tools; users pass names)."""
@@ -275,6 +333,10 @@ class Runtime:
         engine.fail_all(
             lambda f: RuntimeFinalizedError(f"the runtime was finalized before {f!r} finished")
         )
+        try:
+            self._report()
+        except Exception as exc:  # noqa: BLE001 - a report must not stop the finalization
+            sys.stderr.write(f"mcrdl: the comms log or trace could not be written: {exc}\n")
         if self.notices is not None:
             self.notices.close()
         stats = engine.stats()
@@ -314,6 +376,8 @@ def init(
     progress_thread: bool | None = None,
     flight_recorder: str | None = None,
     host: str | None = None,
+    log: bool | None = None,
+    trace: str | None = None,
     store: Any = None,
     rank: int | None = None,
     world_size: int | None = None,
@@ -335,6 +399,10 @@ def init(
             ``{rank}`` in a path is replaced by the rank).
         host: this host's interface name (the same on every host) or its own address, to
             bind and advertise instead of the one found (see the README, "Several hosts").
+        log: record every operation (`mcrdl._observe`): ``comm.log_summary()``, and a
+            summary printed by rank 0 at ``finalize()``.
+        trace: write a timeline of every rank's operations here at ``finalize()``
+            (trace-event JSON for ui.perfetto.dev; rank 0 writes it).
         store, rank, world_size: bring the world up from a torch.distributed store shared by
             ``world_size`` processes (this one being ``rank``), as torch's own
             ``init_process_group(store=...)`` does, instead of from the launcher: gloo only.
@@ -352,7 +420,7 @@ def init(
             )
         config = Config.load(backends=backends, timeout=timeout, debug=debug, tuning=tuning,
                              progress_thread=progress_thread, flight_recorder=flight_recorder,
-                             host=host)
+                             host=host, log=log, trace=trace)
         given = None
         if store is not None or rank is not None or world_size is not None:
             if store is None or rank is None or world_size is None:

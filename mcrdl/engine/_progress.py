@@ -261,6 +261,11 @@ class Engine:
         # Counters: submitted and issued are derived in stats() (two fewer increments per op).
         self._n_completed = self._n_failed = self._n_cancelled = self._n_polls = 0
         self._n_dropped = 0  # failed or cancelled before they were issued
+        #: Every finished operation's record, while the comms log is on (`mcrdl._observe`):
+        #: (lane, kind, seq, state, nbytes, dtype, t_submit, t_issue, t_done); None: off.
+        self.log: list[tuple[Any, ...]] | None = None
+        #: Cross-lane dependencies while the log is on: (lane, seq, lane, seq), first's first.
+        self.log_edges: list[tuple[Any, ...]] = []
         self._thread: _drivers.ProgressThread | None = (
             _drivers.ProgressThread(self) if background else None
         )
@@ -433,6 +438,9 @@ class Engine:
             self._hazards.add(fut, fut.reads, fut.writes)
         if deps:
             fut._deps_left = len(deps)
+            if self.log is not None:
+                self.log_edges.extend((d.lane, d.seq, fut.lane, fut.seq) for d in deps
+                                      if d.lane is not fut.lane)
             for dep in deps:
                 dependants = dep._dependants
                 if dependants is None:
@@ -590,6 +598,8 @@ class Engine:
             lane = fut.lane
             lane.history.append((fut.kind, fut.seq, DONE, fut.nbytes, fut.t_submit,
                                  fut.t_issue, now, ""))
+            if self.log is not None:
+                self._log(fut, lane, now)
             if fut.stream is None:
                 lane.issued -= 1
             if lane.pending:  # its place in the lane's window is free
@@ -642,6 +652,8 @@ class Engine:
             fut._result = None
         lane.history.append((fut.kind, fut.seq, fut._state, fut.nbytes, fut.t_submit,
                              fut.t_issue, now, ""))
+        if self.log is not None:
+            self._log(fut, lane, now)
         fut.start = fut.args = None
         if not zombie:
             fut.hold = fut._request = None
@@ -679,6 +691,13 @@ class Engine:
             self._pump(lane)
         if fut._dependants:
             self._release(fut, None)
+
+    def _log(self, fut: CommFuture, lane: Lane, now: float) -> None:
+        """Append ``fut``'s record to the comms log (on; lock held). Its result's dtype is
+        read now: the record must not keep the result alive."""
+        result = fut._result
+        self.log.append((lane, fut.kind, fut.seq, fut._state, fut.nbytes,  # type: ignore[union-attr]
+                         getattr(result, "dtype", None), fut.t_submit, fut.t_issue, now))
 
     def _release(self, fut: CommFuture, error: BaseException | None) -> None:
         """Tell ``fut``'s dependants it finished: issue the ready ones, or fail them all."""

@@ -1,0 +1,301 @@
+"""Seeing what communication does: the comms log, its summary, and the timeline trace.
+
+Everything comes from timestamps the engine takes anyway (submit, issue, completion): while
+the log is on, each finished operation appends one record (``Engine.log``), read only when
+a summary or a trace is asked for. Nothing is synchronized, barriered or waited for per
+operation, so overlap is what it would be without the log.
+
+- ``MCRDL_LOG=1`` / ``init(log=True)``: ``comm.log_summary()`` (and, on rank 0, a summary at
+  ``finalize()``): per (op, backend, size bucket) the count, total and mean latency, p50 and
+  p99, algbw and busbw as nccl-tests defines them, gathered over the ranks, naming the
+  slowest. Latency is issue to completion, as seen by this rank.
+- ``MCRDL_TRACE=path.json`` / ``init(trace=...)``: at ``finalize()`` rank 0 writes one trace in
+  the trace-event format (ui.perfetto.dev, chrome://tracing): one process per rank, one track
+  per lane, a slice per operation (queued, then in flight), flow arrows for dependencies
+  between lanes, and user spans (``with mcrdl.span("forward"):``) on a track of their own;
+  clocks aligned to rank 0's at ``init()``.
+
+The ranks' records travel through the bootstrap store (as JSON), not through a communicator:
+a summary or a trace still comes out when an operation failed and broke its communicator.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Recorder", "busbw_factor", "format_summary", "span", "summarize", "trace_events"]
+
+_STATES = {2: "done", 3: "failed", 4: "cancelled"}  # engine._states: DONE, FAILED, CANCELLED
+
+
+def algbw_bytes(op: str, nbytes: int, size: int) -> int:
+    """The size S nccl-tests divides by the time for algbw: the output of an allgather or a
+    gather (n times the input), the input otherwise (reduce_scatter's whole input,
+    alltoall's whole buffer)."""
+    if op in ("allgather", "gather"):
+        return nbytes * size
+    return nbytes
+
+
+def busbw_factor(op: str, size: int) -> float:
+    """busbw = algbw x this factor (nccl-tests' PERFORMANCE.md): 2(n-1)/n for allreduce,
+    (n-1)/n for allgather, reduce_scatter, alltoall(v), gather and scatter, 1 otherwise."""
+    if size <= 1:
+        return 1.0
+    if op == "allreduce":
+        return 2 * (size - 1) / size
+    if op in ("allgather", "reduce_scatter", "alltoall", "alltoallv", "gather", "scatter"):
+        return (size - 1) / size
+    return 1.0
+
+
+def bucket(nbytes: int) -> int:
+    """The size bucket: the smallest power of two >= nbytes (0 for 0)."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+
+
+def _dtype_name(dtype: Any) -> str:
+    if dtype is None:
+        return "-"
+    name = str(dtype)
+    return name.removeprefix("torch.")
+
+
+class Recorder:
+    """The runtime's log and trace: switches the engine's log on, keeps user spans, aligns
+    this rank's clock to rank 0's, and turns records into rows and trace events."""
+
+    def __init__(self, engine: Any, rank: int, size: int) -> None:
+        self.engine = engine
+        self.rank = rank
+        self.size = size
+        engine.log = []
+        #: This rank's clock at init (rank 0's is the trace's zero).
+        self.t0: float = engine._clock()
+        self.spans: list[tuple[str, float, float, str]] = []
+        #: Add to this rank's clock to read rank 0's (seconds); set by `align`.
+        self.offset = 0.0
+        self.skew_bound = 0.0
+        self._gathers = 0
+
+    # -- records ---------------------------------------------------------------------------
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every finished operation so far, as dicts (times in this rank's clock, seconds)."""
+        out = []
+        for lane, kind, seq, state, nbytes, dtype, t_submit, t_issue, t_done in list(
+                self.engine.log):
+            issued = t_issue > 0.0
+            out.append({
+                "op": kind, "seq": seq, "backend": lane.backend_name, "comm": lane.comm_name,
+                "lane": f"{lane.backend_name}:{lane.comm_name}" + (":named" if lane.named
+                                                                  else ""),
+                "size": lane.size, "state": _STATES.get(state, str(state)),
+                "dtype": _dtype_name(dtype), "bytes": nbytes, "submit": t_submit,
+                "issue": t_issue if issued else t_done, "done": t_done,
+            })
+        return out
+
+    def edges(self) -> list[tuple[str, int, str, int]]:
+        return [(f"{a.backend_name}:{a.comm_name}", sa, f"{b.backend_name}:{b.comm_name}", sb)
+                for a, sa, b, sb in list(self.engine.log_edges)]
+
+    # -- clocks ----------------------------------------------------------------------------
+
+    def align(self, store: Any, timeout: float) -> None:
+        """Estimate this rank's clock offset to rank 0's through the store: rank 0 answers a
+        few pings with its clock; each rank keeps the answer of the shortest round trip, and
+        the offset is rank 0's time minus the round trip's midpoint (error within half the
+        round trip, recorded as ``skew_bound``)."""
+        if self.size <= 1:
+            return
+        clock = self.engine._clock
+        wait = datetime.timedelta(seconds=timeout)
+        rounds = 5
+        if self.rank == 0:
+            for r in range(1, self.size):
+                for i in range(rounds):
+                    key = f"mcrdl/clock/{r}/{i}"
+                    store.wait([key + "/ping"], wait)
+                    store.set(key + "/pong", repr(clock()))
+            return
+        best = (float("inf"), 0.0)
+        for i in range(rounds):
+            key = f"mcrdl/clock/{self.rank}/{i}"
+            t0 = clock()
+            store.set(key + "/ping", "1")
+            store.wait([key + "/pong"], wait)
+            theirs = float(store.get(key + "/pong").decode())
+            t1 = clock()
+            if t1 - t0 < best[0]:
+                best = (t1 - t0, theirs - (t0 + t1) / 2)
+        self.skew_bound = best[0] / 2
+        self.offset = best[1]
+
+    # -- gathering ---------------------------------------------------------------------------
+
+    def gather(self, store: Any, members: Sequence[int], my_index: int, payload: Any,
+               timeout: float, everyone: bool = False) -> list[Any] | None:
+        """Every member's ``payload`` (JSON-able), in member order: on member 0 only, or on
+        every member (``everyone``); None elsewhere. Through the store, so that a broken
+        communicator does not stop it; a member that never arrives within ``timeout`` is
+        left out (its entry None)."""
+        self._gathers += 1
+        tag = f"mcrdl/gather/{'-'.join(map(str, members))}/{self._gathers}"
+        store.set(f"{tag}/{my_index}", json.dumps(payload))
+        if my_index != 0 and not everyone:
+            return None
+        keys = [f"{tag}/{i}" for i in range(len(members))]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=timeout))
+        except Exception:  # noqa: BLE001 - a member gone: gather who came
+            return [json.loads(store.get(k).decode()) if store.check([k]) else None
+                    for k in keys]
+        return [json.loads(store.get(k).decode()) for k in keys]
+
+
+# -- the summary -------------------------------------------------------------------------
+
+def summarize(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Rows per (op, backend, size bucket) over every rank's records: count (operations per
+    rank), total and mean latency, p50, p99, algbw and busbw (GB/s, from the mean), and the
+    slowest rank (largest mean latency)."""
+    groups: dict[tuple[str, str, int], dict[int, list[tuple[float, int, int]]]] = {}
+    for rank, records in enumerate(per_rank):
+        for r in records:
+            if r["state"] != "done":
+                continue
+            key = (r["op"], r["backend"], bucket(r["bytes"]))
+            groups.setdefault(key, {}).setdefault(rank, []).append(
+                (r["done"] - r["issue"], r["bytes"], r["size"]))
+    rows = []
+    for (op, backend, size_bucket), by_rank in sorted(groups.items()):
+        lat = np.array([t for recs in by_rank.values() for t, _, _ in recs])
+        nbytes = np.array([b for recs in by_rank.values() for _, b, _ in recs])
+        size = max(s for recs in by_rank.values() for _, _, s in recs)
+        means = {rank: float(np.mean([t for t, _, _ in recs])) for rank, recs in by_rank.items()}
+        slowest = max(means, key=lambda k: means[k])
+        mean = float(lat.mean())
+        s_bytes = algbw_bytes(op, int(np.mean(nbytes)), size)
+        algbw = s_bytes / mean / 1e9 if mean > 0 else 0.0
+        rows.append({
+            "op": op, "backend": backend, "bucket": size_bucket, "ranks": len(by_rank),
+            "count": int(len(lat) // max(1, len(by_rank))), "total_s": float(lat.sum()),
+            "mean_us": mean * 1e6, "p50_us": float(np.percentile(lat, 50)) * 1e6,
+            "p99_us": float(np.percentile(lat, 99)) * 1e6, "algbw": algbw,
+            "busbw": algbw * busbw_factor(op, size), "slowest_rank": slowest,
+            "slowest_mean_us": means[slowest] * 1e6,
+        })
+    return rows
+
+
+def _human(nbytes: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes // scale}{unit}"
+    return f"{nbytes}B"
+
+
+def format_summary(rows: list[dict[str, Any]]) -> str:
+    """The summary as a table (latencies in µs, bandwidths in GB/s)."""
+    head = (f"{'op':<14} {'backend':<8} {'size<=':>7} {'count':>7} {'total ms':>9}"
+            f" {'mean':>9} {'p50':>9} {'p99':>9} {'algbw':>8} {'busbw':>8}  slowest rank")
+    lines = ["mcrdl comms log (latency: issue to completion, µs; algbw and busbw as nccl-tests,"
+             " GB/s; over all ranks)", head]
+    for r in rows:
+        lines.append(
+            f"{r['op']:<14} {r['backend']:<8} {_human(r['bucket']):>7} {r['count']:>7}"
+            f" {r['total_s'] * 1e3:9.2f} {r['mean_us']:9.1f} {r['p50_us']:9.1f}"
+            f" {r['p99_us']:9.1f} {r['algbw']:8.3f} {r['busbw']:8.3f}"
+            f"  {r['slowest_rank']} ({r['slowest_mean_us']:.1f})")
+    if not rows:
+        lines.append("(no operation finished)")
+    return "\n".join(lines)
+
+
+# -- the trace -----------------------------------------------------------------------------
+
+def trace_events(per_rank: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
+    """Trace events for every rank's payload (``records``, ``edges``, ``spans``, ``offset``),
+    times in µs from ``t0`` (rank 0's clock)."""
+    events: list[dict[str, Any]] = []
+    flow_id = 0
+    for rank, payload in enumerate(per_rank):
+        off = payload["offset"]
+
+        def us(t: float, off: float = off) -> float:
+            return round((t + off - t0) * 1e6, 3)
+
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
+                       "args": {"name": f"rank {rank}"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0,
+                       "args": {"sort_index": rank}})
+        tids = {"spans": 1}
+        events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": 1,
+                       "args": {"name": "user spans"}})
+        where: dict[tuple[str, int], tuple[int, float, float]] = {}
+        for r in payload["records"]:
+            lane = r["lane"]
+            if lane not in tids:
+                tids[lane] = len(tids) + 1
+                events.append({"ph": "M", "name": "thread_name", "pid": rank,
+                               "tid": tids[lane], "args": {"name": f"lane {lane}"}})
+            tid = tids[lane]
+            args = {"seq": r["seq"], "bytes": r["bytes"], "dtype": r["dtype"],
+                    "state": r["state"], "comm": r["comm"]}
+            if r["issue"] > r["submit"]:
+                events.append({"ph": "X", "name": f"{r['op']} (queued)", "cat": "queued",
+                               "pid": rank, "tid": tid, "ts": us(r["submit"]),
+                               "dur": round((r["issue"] - r["submit"]) * 1e6, 3), "args": args})
+            events.append({"ph": "X", "name": r["op"], "cat": r["backend"], "pid": rank,
+                           "tid": tid, "ts": us(r["issue"]),
+                           "dur": round((r["done"] - r["issue"]) * 1e6, 3), "args": args})
+            where[(r["lane"].removesuffix(":named"), r["seq"])] = (tid, r["issue"], r["done"])
+        for a_lane, a_seq, b_lane, b_seq in payload["edges"]:
+            a, b = where.get((a_lane, a_seq)), where.get((b_lane, b_seq))
+            if a is None or b is None:
+                continue
+            flow_id += 1
+            events.append({"ph": "s", "name": "depends", "cat": "dependency", "id": flow_id,
+                           "pid": rank, "tid": a[0], "ts": us(a[2])})
+            events.append({"ph": "f", "bp": "e", "name": "depends", "cat": "dependency",
+                           "id": flow_id, "pid": rank, "tid": b[0], "ts": us(b[1])})
+        for name, start, end, thread in payload["spans"]:
+            events.append({"ph": "X", "name": name, "cat": "span", "pid": rank, "tid": 1,
+                           "ts": us(start), "dur": round((end - start) * 1e6, 3),
+                           "args": {"thread": thread}})
+    return events
+
+
+# -- user spans ------------------------------------------------------------------------------
+
+_span_lock = threading.Lock()
+
+
+@contextmanager
+def span(name: str) -> Iterator[None]:
+    """``with mcrdl.span("forward"):`` marks a region of the program on the timeline (a track
+    of its own per rank, beside the lanes). Costs two clock reads; nothing when no trace or
+    log is being recorded."""
+    from ._runtime import current_runtime
+
+    runtime = current_runtime()
+    recorder = runtime.recorder if runtime is not None else None
+    if recorder is None:
+        yield
+        return
+    clock = recorder.engine._clock
+    start = clock()
+    try:
+        yield
+    finally:
+        end = clock()
+        with _span_lock:
+            recorder.spans.append((name, start, end, threading.current_thread().name))
