@@ -34,6 +34,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -123,18 +124,23 @@ def loss_of(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 class Clock:
-    """Seconds spent computing (not waiting for communication) in a step."""
+    """Seconds spent computing (not waiting for communication) in a step; each stretch is
+    also a ``compute`` span on the timeline (``MCRDL_TRACE``)."""
 
     def __init__(self) -> None:
         self.busy = 0.0
         self._t0 = 0.0
+        self._span: Any = None
 
     def __enter__(self) -> Clock:
+        self._span = mcrdl.span("compute")
+        self._span.__enter__()
         self._t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.busy += time.perf_counter() - self._t0
+        self._span.__exit__(None, None, None)
 
 
 async def micro_batch(comm: mcrdl.Communicator, p: dict[str, torch.Tensor], step: int, m: int,

@@ -1,9 +1,13 @@
-"""``python -m mcrdl bench`` and ``python -m mcrdl tune`` (under mpiexec or torchrun).
+"""``python -m mcrdl bench`` and ``python -m mcrdl tune`` (under mpiexec or torchrun), and
+``python -m mcrdl trace`` (anywhere: it reads a trace written with ``MCRDL_TRACE``).
 
     mpiexec -n 2 python -m mcrdl bench --ops allreduce,alltoall --sizes 4:64M --plot bench.png
     mpiexec -n 2 python -m mcrdl bench --format osu --ops allreduce --sizes 4:1M
     mpiexec -n 2 python -m mcrdl tune --output tuning.json
     MCRDL_TUNING=tuning.json mpiexec -n 2 python train.py      # backend="auto" uses it
+    MCRDL_TRACE=trace.json mpiexec -n 2 python train.py        # a timeline at finalize
+    python -m mcrdl trace summary trace.json
+    python -m mcrdl trace plot trace.json -o timeline.png
 """
 
 from __future__ import annotations
@@ -74,7 +78,48 @@ def _parser() -> argparse.ArgumentParser:
                            help="leave out raw mpi4py and raw torch.distributed")
         else:
             s.add_argument("--output", default="mcrdl-tuning.json")
+    t = sub.add_parser("trace", help="read a trace written with MCRDL_TRACE")
+    t.add_argument("action", choices=("summary", "plot"))
+    t.add_argument("path", help="the trace (JSON)")
+    t.add_argument("-o", "--output", default="timeline.png", help="plot: the PNG to write")
+    t.add_argument("--window", metavar="START:END",
+                   help="plot: only this stretch, in ms from the first slice (e.g. 500:650)")
     return p
+
+
+def _trace(args: Any) -> int:
+    import json
+
+    from ._observe import plot_trace, summarize_trace
+
+    try:
+        with open(args.path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError) as exc:
+        print(f"cannot read the trace {args.path!r}: {exc}", file=sys.stderr)
+        return 2
+    if not isinstance(doc, dict) or "traceEvents" not in doc:
+        print(f"{args.path!r} is not a trace-event file (no traceEvents)", file=sys.stderr)
+        return 2
+    if args.action == "summary":
+        print(summarize_trace(doc))
+        return 0
+    window = None
+    if args.window:
+        try:
+            start, end = (float(x) for x in args.window.split(":"))
+        except ValueError:
+            print(f"--window {args.window!r}: give START:END in ms, e.g. 500:650",
+                  file=sys.stderr)
+            return 2
+        window = (start, end)
+    try:
+        plot_trace(doc, args.output, f"mcrdl timeline: {os.path.basename(args.path)}", window)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    print(f"wrote {args.output}")
+    return 0
 
 
 def provenance(comm: Any) -> dict[str, Any]:
@@ -105,6 +150,8 @@ def provenance(comm: Any) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line (see the module docstring)."""
     args = _parser().parse_args(argv)
+    if args.command == "trace":
+        return _trace(args)
     import mcrdl
     from mcrdl.tuning._bench import sweep
 

@@ -95,8 +95,7 @@ class Recorder:
             issued = t_issue > 0.0
             out.append({
                 "op": kind, "seq": seq, "backend": lane.backend_name, "comm": lane.comm_name,
-                "lane": f"{lane.backend_name}:{lane.comm_name}" + (":named" if lane.named
-                                                                  else ""),
+                "lane": f"{lane.backend_name}:{lane.comm_name}",
                 "size": lane.size, "state": _STATES.get(state, str(state)),
                 "dtype": _dtype_name(dtype), "bytes": nbytes, "submit": t_submit,
                 "issue": t_issue if issued else t_done, "done": t_done,
@@ -257,7 +256,7 @@ def trace_events(per_rank: list[dict[str, Any]], t0: float) -> list[dict[str, An
             events.append({"ph": "X", "name": r["op"], "cat": r["backend"], "pid": rank,
                            "tid": tid, "ts": us(r["issue"]),
                            "dur": round((r["done"] - r["issue"]) * 1e6, 3), "args": args})
-            where[(r["lane"].removesuffix(":named"), r["seq"])] = (tid, r["issue"], r["done"])
+            where[(r["lane"], r["seq"])] = (tid, r["issue"], r["done"])
         for a_lane, a_seq, b_lane, b_seq in payload["edges"]:
             a, b = where.get((a_lane, a_seq)), where.get((b_lane, b_seq))
             if a is None or b is None:
@@ -299,3 +298,106 @@ def span(name: str) -> Iterator[None]:
         end = clock()
         with _span_lock:
             recorder.spans.append((name, start, end, threading.current_thread().name))
+
+
+# -- reading a trace back: python -m mcrdl trace summary|plot ------------------------------
+
+def _slices(doc: dict[str, Any]) -> tuple[dict[tuple[int, int], str], list[dict[str, Any]]]:
+    """Track names by (pid, tid), and the complete ("X") events of a trace."""
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    return names, [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+
+
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of ``intervals``."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def summarize_trace(doc: dict[str, Any]) -> str:
+    """Per rank and track: slices, busy time (their union) and the biggest kinds; and how
+    much of each rank's communication ran inside user spans (overlapped with the program's
+    own work, when its spans mark compute)."""
+    names, slices = _slices(doc)
+    by_track: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for e in slices:
+        by_track.setdefault((e["pid"], e["tid"]), []).append(e)
+    if not slices:
+        return "no slices in this trace"
+    t_lo = min(e["ts"] for e in slices)
+    t_hi = max(e["ts"] + e["dur"] for e in slices)
+    lines = [f"trace over {(t_hi - t_lo) / 1e3:.2f} ms, {len({p for p, _ in by_track})} ranks",
+             f"{'rank':>4}  {'track':<28} {'slices':>7} {'busy ms':>9}  biggest"]
+    for (pid, tid), events in sorted(by_track.items()):
+        busy = _covered([(e["ts"], e["ts"] + e["dur"]) for e in events])
+        kinds: dict[str, float] = {}
+        for e in events:
+            kinds[e["name"]] = kinds.get(e["name"], 0.0) + e["dur"]
+        top = ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in
+                        sorted(kinds.items(), key=lambda kv: -kv[1])[:3])
+        lines.append(f"{pid:>4}  {names.get((pid, tid), tid):<28} {len(events):>7}"
+                     f" {busy / 1e3:9.2f}  {top}")
+    for pid in sorted({p for p, _ in by_track}):
+        comm = [(e["ts"], e["ts"] + e["dur"]) for e in slices
+                if e["pid"] == pid and e.get("cat") not in ("span", "queued")]
+        spans = [(e["ts"], e["ts"] + e["dur"]) for e in slices
+                 if e["pid"] == pid and e.get("cat") == "span"]
+        if not comm or not spans:
+            continue
+        both = _covered([(max(a, c), min(b, d)) for a, b in comm for c, d in spans
+                         if min(b, d) > max(a, c)])
+        lines.append(f"rank {pid}: {both / 1e3:.2f} of {_covered(comm) / 1e3:.2f} ms of"
+                     " communication ran inside user spans")
+    return "\n".join(lines)
+
+
+def plot_trace(doc: dict[str, Any], path: str, title: str = "mcrdl timeline",
+               window: tuple[float, float] | None = None) -> None:
+    """A PNG timeline: one row per (rank, track), a bar per slice, coloured by backend
+    (queued time pale, user spans grey). ``window``: only ``(start, end)`` ms from the
+    trace's first slice."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    names, slices = _slices(doc)
+    if not slices:
+        raise ValueError("no slices in this trace: nothing to plot")
+    t_lo = min(e["ts"] for e in slices)
+    if window is not None:
+        lo, hi = t_lo + window[0] * 1e3, t_lo + window[1] * 1e3
+        slices = [e for e in slices if e["ts"] < hi and e["ts"] + e["dur"] > lo]
+        t_lo = lo
+    rows = sorted({(e["pid"], e["tid"]) for e in slices})
+    if not rows:
+        raise ValueError(f"no slice in the window {window} ms: nothing to plot")
+    palette = plt.get_cmap("tab10")
+    colours: dict[str, Any] = {"span": (0.6, 0.6, 0.6)}
+    fig, ax = plt.subplots(figsize=(12, 0.45 * len(rows) + 1.2))
+    for y, row in enumerate(rows):
+        for e in (e for e in slices if (e["pid"], e["tid"]) == row):
+            cat = e.get("cat", "")
+            if cat not in colours and cat != "queued":
+                colours[cat] = palette(len(colours) % 10)
+            colour = colours.get(cat, (0.85, 0.85, 0.95))
+            ax.broken_barh([((e["ts"] - t_lo) / 1e3, max(e["dur"] / 1e3, 1e-3))],
+                           (y - 0.4, 0.8), facecolors=colour, edgecolors="none")
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"rank {p} {names.get((p, t), t)}" for p, t in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    ax.set_title(title)
+    colours["queued"] = (0.85, 0.85, 0.95)
+    handles = [Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    ax.legend(handles, list(colours), loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

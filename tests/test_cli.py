@@ -73,3 +73,52 @@ def test_tune_writes_a_table_that_init_accepts(tmp_path):
     # Runner-up over winner: at least 1, except where a single noisy size was given its
     # neighbours' choice (within the table's noise factor, 1.10): then down to 1/1.10.
     assert first.margin >= round(1 / 1.10, 3)
+
+
+def _made_up_trace(path):
+    from mcrdl._observe import trace_events
+
+    def rec(op, backend, seq, issue, done):
+        return {"op": op, "seq": seq, "backend": backend, "comm": "world",
+                "lane": f"{backend}:world", "size": 2, "state": "done", "dtype": "float32",
+                "bytes": 4096, "submit": issue, "issue": issue, "done": done}
+
+    payload = {"offset": 0.0, "skew_bound": 0.0, "t0": 0.0, "edges": [],
+               "records": [rec("allreduce", "mpi", 1, 0.000, 0.002),
+                           rec("alltoall", "gloo", 2, 0.001, 0.004)],
+               "spans": [("forward", 0.0, 0.003, "MainThread")]}
+    path.write_text(json.dumps({"traceEvents": trace_events([payload, payload], 0.0)}))
+
+
+def test_trace_summary_and_plot(tmp_path):
+    from mcrdl.__main__ import main
+
+    trace = tmp_path / "trace.json"
+    _made_up_trace(trace)
+    assert main(["trace", "summary", str(trace)]) == 0
+    png = tmp_path / "timeline.png"
+    assert main(["trace", "plot", str(trace), "-o", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_trace_summary_numbers(tmp_path, capsys):
+    from mcrdl.__main__ import main
+
+    trace = tmp_path / "trace.json"
+    _made_up_trace(trace)
+    main(["trace", "summary", str(trace)])
+    out = capsys.readouterr().out
+    # mpi busy [0, 2] ms, gloo [1, 4] ms: 4 ms of communication; the span [0, 3] ms covers
+    # [0, 3] of it: 3 ms.
+    assert re.search(r"0  lane mpi:world\s+1\s+2\.00", out), out
+    assert re.search(r"0  lane gloo:world\s+1\s+3\.00", out), out
+    assert "rank 0: 3.00 of 4.00 ms of communication ran inside user spans" in out, out
+
+
+def test_trace_refuses_a_file_that_is_not_a_trace(tmp_path, capsys):
+    from mcrdl.__main__ import main
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"points": []}))
+    assert main(["trace", "summary", str(bad)]) == 2
+    assert "is not a trace-event file" in capsys.readouterr().err
