@@ -8,6 +8,8 @@
     MCRDL_TRACE=trace.json mpiexec -n 2 python train.py        # a timeline at finalize
     python -m mcrdl trace summary trace.json
     python -m mcrdl trace plot trace.json -o timeline.png
+    MCRDL_FLIGHT_RECORDER=fr-{rank}.json mpiexec -n 4 python train.py   # dumps, machine-readable
+    python -m mcrdl trace explain fr-*.json                    # which operation is stuck, why
 """
 
 from __future__ import annotations
@@ -78,9 +80,10 @@ def _parser() -> argparse.ArgumentParser:
                            help="leave out raw mpi4py and raw torch.distributed")
         else:
             s.add_argument("--output", default="mcrdl-tuning.json")
-    t = sub.add_parser("trace", help="read a trace written with MCRDL_TRACE")
-    t.add_argument("action", choices=("summary", "plot"))
-    t.add_argument("path", help="the trace (JSON)")
+    t = sub.add_parser("trace", help="read a trace (MCRDL_TRACE) or flight-recorder dumps")
+    t.add_argument("action", choices=("summary", "plot", "explain"))
+    t.add_argument("path", nargs="+",
+                   help="the trace (JSON); for explain, every rank's dump (JSON lines)")
     t.add_argument("-o", "--output", default="timeline.png", help="plot: the PNG to write")
     t.add_argument("--window", metavar="START:END",
                    help="plot: only this stretch, in ms from the first slice (e.g. 500:650)")
@@ -92,6 +95,21 @@ def _trace(args: Any) -> int:
 
     from ._observe import plot_trace, summarize_trace
 
+    if args.action == "explain":
+        from ._explain import explain, load_dumps
+
+        try:
+            dumps = load_dumps(args.path)
+        except (OSError, ValueError) as exc:
+            print(f"cannot read the dumps: {exc}", file=sys.stderr)
+            return 2
+        print(explain(dumps))
+        return 0
+    if len(args.path) != 1:
+        print(f"trace {args.action} reads one trace, got {len(args.path)} files",
+              file=sys.stderr)
+        return 2
+    args.path = args.path[0]
     try:
         with open(args.path, encoding="utf-8") as fh:
             doc = json.load(fh)

@@ -651,6 +651,15 @@ class Communicator:
         text = self._runtime.log_summary(self)
         return text if text is not None else ""
 
+    def dump_flight_recorder(self, path: str | None = None) -> None:
+        """Write this rank's flight recorder now: per lane, the last finished operations, the
+        unfinished ones with their positions, and what this rank's threads wait for. To
+        ``path`` (``{rank}`` is replaced by the rank), or to ``MCRDL_FLIGHT_RECORDER``'s
+        destination; as one JSON line when the path ends in ``.json``
+        (``python -m mcrdl trace explain`` reads every rank's), as text otherwise. Not
+        collective. SIGUSR2 does the same from outside."""
+        self._runtime.dump_flight_recorder(path)
+
     def close(self) -> None:
         """Wait for this communicator's operations, then release its backend groups.
 

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import numpy as np
 from collections.abc import Mapping, Sequence
@@ -31,7 +32,7 @@ from ._observe import Recorder, format_summary, summarize, trace_events
 from ._select import DEFAULT_PREFERENCE, Selector, Slot
 from .backends import Backend, backend_class, known_backends
 from .backends._threaded import ThreadedBackend, Threads
-from .engine import CommFuture, Engine, PollPolicy
+from .engine import CommFuture, Engine, PollPolicy, flight_dump, flight_record
 from .engine._names import Names
 from .engine._progress import linger
 from .tuning._table import TuningTable
@@ -96,6 +97,8 @@ class Runtime:
         self.selector = selector or Selector(tuple(backends), table=self.tuning)
         if bootstrap is not None:
             bootstrap.on_peer_failure.append(self.engine.request_abort)
+        self.engine.on_desync = self._on_desync
+        _watch_dump_signals(self, bootstrap)
         #: Tells peers of broken communicators and listens for theirs (None: no peers, or
         #: a simulated world's own).
         self.notices = notices
@@ -298,20 +301,54 @@ class Runtime:
                 if broken or any(fut.lane is slot.lane for fut in zombies):
                     slot.backend.abandon(slot.group)
 
-    def _dump_flight_record(self, expired: list[CommFuture], record: str) -> None:
-        text = (
-            f"mcrdl: {len(expired)} operation(s) timed out on rank "
-            f"{self.world.rank}: {', '.join(repr(f) for f in expired)}\n{record}\n"
-        )
-        dest = self.config.flight_recorder
+    def _dump_flight_record(self, expired: list[CommFuture], record: str,
+                            dump: dict[str, Any]) -> None:
+        """On a timeout: the flight recorder (taken before the expired operations were given
+        up) to the configured destination."""
+        self.dump_flight_recorder(
+            reason=f"{len(expired)} operation(s) timed out: "
+                   f"{', '.join(repr(f) for f in expired)}", text=record, dump=dump)
+
+    def _on_desync(self, fut: CommFuture) -> None:
+        self.dump_flight_recorder(reason=f"{fut!r} failed: {fut._error}")
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # A signal handler runs between bytecodes of the main thread, which may hold the
+        # engine's lock: the dump is taken by a thread of its own.
+        threading.Thread(target=self.dump_flight_recorder,
+                         kwargs={"reason": f"signal {signal.Signals(signum).name}"},
+                         name="mcrdl-flight-recorder", daemon=True).start()
+
+    def dump_flight_recorder(self, path: str | None = None, *, reason: str = "on request",
+                             text: str | None = None, dump: dict[str, Any] | None = None
+                             ) -> None:
+        """Write the flight recorder: to ``path`` (or the configured destination) as one
+        JSON line (machine-readable: ``python -m mcrdl trace explain`` reads the dumps of all
+        ranks) when it ends in ``.json``, as text otherwise (``stderr``: to stderr)."""
+        dest = path or self.config.flight_recorder
+        rank = self.world.rank
         try:
+            if dest.endswith(".json"):
+                if dump is None:
+                    with self.engine.lock:
+                        dump = flight_dump(self.engine, list(self.engine.waiting))
+                doc = {"rank": rank, "size": self.world.size, "reason": reason,
+                       "time": time.time(), **dump}
+                line = json.dumps(doc) + "\n"
+                with open(dest.replace("{rank}", str(rank)), "a", encoding="utf-8") as fh:
+                    fh.write(line)
+                return
+            body = f"mcrdl: flight recorder on rank {rank}, {reason}\n"
+            if text is None:
+                with self.engine.lock:
+                    text = flight_record(self.engine)
+            body += text + "\n"
             if dest == "stderr":
-                sys.stderr.write(text)
+                sys.stderr.write(body)
                 sys.stderr.flush()
             else:
-                path = dest.replace("{rank}", str(self.world.rank))
-                with open(path, "a", encoding="utf-8") as fh:
-                    fh.write(text)
+                with open(dest.replace("{rank}", str(rank)), "a", encoding="utf-8") as fh:
+                    fh.write(body)
         except OSError:  # a launcher that stopped reading our stderr must not hide the error
             pass
 
@@ -360,6 +397,21 @@ class Runtime:
         with _live_lock:
             if self in _live:
                 _live.remove(self)
+
+
+def _watch_dump_signals(runtime: Runtime, bootstrap: Bootstrap | None) -> None:
+    """SIGUSR2 dumps the flight recorder; so does SIGUSR1 where no MPI launcher started
+    this process (under one, SIGUSR1 is hydra's "a peer died", which aborts what is in
+    flight). Handlers the program installed itself are left alone; main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    sigs = [signal.SIGUSR2]
+    if bootstrap is None or bootstrap.launcher != "mpi":
+        sigs.append(signal.SIGUSR1)
+    for sig in sigs:
+        current = signal.getsignal(sig)
+        if current is signal.SIG_DFL or getattr(current, "__func__", None) is Runtime._on_signal:
+            signal.signal(sig, runtime._on_signal)
 
 
 def _oversubscribed(bootstrap: Bootstrap | None) -> bool:

@@ -248,3 +248,48 @@ def test_the_comms_log_and_trace_of_a_real_run(tmp_path):
 def test_logging_leaves_the_overlap_unchanged():
     lines = _overlap("1", {"MCRDL_LOG": "1"})
     assert len(lines) == 2 and all("mpi_done=True gloo_done=True" in line for line in lines), lines
+
+
+def _stuck(tmp_path, mode: str, n: int) -> str:
+    """Run tests/multirank/stuck.py ``mode`` on ``n`` ranks, dump every rank's flight
+    recorder by SIGUSR2 while they are stuck, and return ``trace explain``'s report."""
+    import time
+
+    from tests.launch import mpiexec
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MCRDL_TIMEOUT="8",
+               MCRDL_RESULT_DIR=str(tmp_path),
+               MCRDL_FLIGHT_RECORDER=str(tmp_path / "fr-{rank}.json"))
+    script = "tests/multirank/stuck.py"
+    proc = subprocess.Popen([mpiexec(), "-n", str(n), sys.executable, script, mode], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("stuck*"))) < n and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # into their waits
+        subprocess.run(["pkill", "-USR2", "-f", f"^{sys.executable} {script}"], check=False)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    dumps = sorted(str(p) for p in tmp_path.glob("fr-*.json"))
+    assert len(dumps) == n, out[-4000:]
+    report = subprocess.run([sys.executable, "-m", "mcrdl", "trace", "explain", *dumps],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0, report.stderr
+    return report.stdout
+
+
+def test_explain_names_the_collective_a_rank_skipped_and_what_it_waits_on(tmp_path):
+    report = _stuck(tmp_path, "skip", 3)
+    assert re.search(r"stuck: allreduce#\d+ at position \d+ of lane mpi:world\b", report), report
+    assert "issued by ranks [0, 2]" in report, report
+    assert re.search(r"not arrived: rank 1 \(.*\); it is blocked waiting for allreduce#\d+ on"
+                     r" mpi:world\.\w+", report), report
+
+
+def test_explain_finds_a_cycle_of_blocking_waits_across_communicators(tmp_path):
+    report = _stuck(tmp_path, "cycle", 2)
+    assert report.count("stuck: allreduce") == 2, report
+    assert "a cycle: rank 0 -> rank 1 -> rank 0" in report, report

@@ -170,6 +170,7 @@ def wait(engine: Engine, fut: CommFuture, timeout: float | None) -> None:
         )
     policy = engine.policy
     engine.drivers += 1
+    engine.waiting.append(fut)
     try:
         t0 = _clock()
         deadline = None if timeout is None else t0 + timeout
@@ -210,6 +211,7 @@ def wait(engine: Engine, fut: CommFuture, timeout: float | None) -> None:
         # finds the work itself. Waking it on every exit made a waiter of N futures pay N
         # GIL hand-offs (32 µs per operation instead of 12 with 10 in flight).
         engine.drivers -= 1
+        engine.waiting.remove(fut)
         engine.last_active = engine._clock()
 
 
@@ -281,6 +283,7 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
     if engine.spin_lone(fut):
         return
     engine.drivers += 1
+    engine.waiting.append(fut)
     try:
         if engine.spin_ok():
             for _ in range(policy.spin_polls):
@@ -325,13 +328,18 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
             yield  # one event-loop iteration for the other tasks
     finally:
         engine.drivers -= 1
+        engine.waiting.remove(fut)
     if fut._state >= DONE:
         return
     loop = asyncio.get_running_loop()
     waiter = loop.create_future()
     fut.add_done_callback(lambda _: loop.call_soon_threadsafe(_set_none, waiter))
     engine.wake_background(fut if lone else None)
-    yield from waiter
+    engine.waiting.append(fut)
+    try:
+        yield from waiter
+    finally:
+        engine.waiting.remove(fut)
 
 
 class ProgressThread:

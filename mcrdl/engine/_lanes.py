@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ._states import PENDING, STATE_NAMES
+from ._states import DONE, PENDING, STATE_NAMES
 
 if TYPE_CHECKING:
     from ..backends import Backend
     from ._future import CommFuture
 
-__all__ = ["CommState", "Lane", "OpRecord", "Stops", "flight_record"]
+__all__ = ["CommState", "Lane", "OpRecord", "Stops", "flight_dump", "flight_record"]
 
 #: Where a member stopped issuing on a broken communicator: per lane (by its ``key``), the
 #: index of the first collective it did not issue, and per stream ``(peer, tag, sends)`` the
@@ -206,3 +206,36 @@ def flight_record(engine: Any, now: float | None = None) -> str:
         if comm.names is not None:
             lines.extend(comm.names.waiting(now))
     return "\n".join(lines)
+
+
+def _op(f: Any, now: float) -> dict[str, Any]:
+    return {"op": f.kind, "seq": f.seq, "state": STATE_NAMES[f._state],
+            "index": getattr(f, "index", None), "name": f.name, "bytes": f.nbytes,
+            "issued": bool(f.t_issue), "age_s": round(now - f.t_submit, 6),
+            "lane": f.lane.key, "comm": f.lane.comm_name}
+
+
+def flight_dump(engine: Any, waiting: list[Any], now: float | None = None) -> dict[str, Any]:
+    """The flight recorder in a machine-readable form (``python -m mcrdl trace explain``
+    reads the dumps of all ranks): per lane, its members (world ranks), how many operations
+    this rank submitted there, its unfinished ones with their positions, and its last
+    finished ones; and the operations this rank's threads are blocked waiting for. The
+    caller holds the engine's lock."""
+    if now is None:
+        now = engine._clock()
+    unfinished: dict[Lane, list[Any]] = {}
+    for fut in engine.unfinished_locked():
+        unfinished.setdefault(fut.lane, []).append(fut)
+    lanes = []
+    for lane in list(engine._lanes.values()):
+        live = sorted(unfinished.get(lane, []), key=lambda f: f.t_submit)
+        lanes.append({
+            "lane": lane.key, "backend": lane.backend_name, "comm": lane.comm_name,
+            "named": lane.named, "rank": lane.rank, "size": lane.size,
+            "members": list(lane.comm.members), "broken": lane.comm.broken,
+            "submitted": lane.submitted,
+            "unfinished": [_op(f, now) for f in live],
+            "finished": [{"op": r.kind, "seq": r.seq, "state": r.state, "bytes": r.nbytes}
+                         for r in lane.records()[-8:]],
+        })
+    return {"lanes": lanes, "waiting_on": [_op(f, now) for f in waiting if f._state < DONE]}

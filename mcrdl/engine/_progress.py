@@ -47,7 +47,7 @@ from . import _drivers
 from ._future import CANCELLED, DONE, FAILED, ISSUED, PENDING, STATE_NAMES, CommFuture
 from ._future import report_callback_error
 from ._hazards import HazardIndex
-from ._lanes import CommState, Lane, Stops, flight_record
+from ._lanes import CommState, Lane, Stops, flight_dump, flight_record
 from ._tracks import Track
 
 if TYPE_CHECKING:
@@ -206,7 +206,7 @@ class Engine:
         policy: _drivers.PollPolicy | None = None,
         background: bool = True,
         timeout: float | None = None,
-        on_timeout: Callable[[list[CommFuture], str], None] | None = None,
+        on_timeout: Callable[[list[CommFuture], str, dict[str, Any]], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._lock = threading.Lock()
@@ -266,6 +266,11 @@ class Engine:
         self.log: list[tuple[Any, ...]] | None = None
         #: Cross-lane dependencies while the log is on: (lane, seq, lane, seq), first's first.
         self.log_edges: list[tuple[Any, ...]] = []
+        #: Futures a thread or task is blocked waiting for past the first polls (the flight
+        #: recorder's "waiting on"); appended and removed by the drivers.
+        self.waiting: list[CommFuture] = []
+        #: Called (after the lock) with an operation that failed with DesyncError.
+        self.on_desync: Callable[[CommFuture], None] | None = None
         self._thread: _drivers.ProgressThread | None = (
             _drivers.ProgressThread(self) if background else None
         )
@@ -647,6 +652,8 @@ class Engine:
                 fut._state = FAILED
                 self._n_failed += 1
             fut._error = error
+            if self.on_desync is not None and isinstance(error, DesyncError):
+                self._due.append((self.on_desync, fut))
             if zombie:  # its backend may still write the result: keep it with the rest
                 fut.hold = (fut.hold, fut._result)
             fut._result = None
@@ -1083,6 +1090,7 @@ class Engine:
             if not expired and not named:
                 return
             record = flight_record(self)
+            dump = flight_dump(self, list(self.waiting))
             # Named operations first, so that theirs is the cause the peers hear of: fail
             # them with DesyncError naming the members that lack them, and break their
             # communicators (the members do not agree on what runs next).
@@ -1099,7 +1107,8 @@ class Engine:
             self._run_work()
         self._after_lock()
         if self._on_timeout is not None:
-            self._on_timeout([f for futs in named.values() for f in futs] + expired, record)
+            self._on_timeout([f for futs in named.values() for f in futs] + expired, record,
+                             dump)
 
     # -- operations the engine makes, and named operations' places (lock held) ----------
 
@@ -1238,13 +1247,17 @@ class Engine:
         """Every unfinished future: issued ones by backend, then pending ones by lane, then
         named ones not yet agreed on."""
         with self._lock:
-            out = [f for t in self._track_list for f, _ in t.items()]
-            seen: dict[CommFuture, None] = {}
-            for lane in self._lanes.values():
-                seen.update((f, None) for f in lane.pending if f._state == PENDING)
-            seen.update(self._held())
-            out.extend(seen)
-            return out
+            return self.unfinished_locked()
+
+    def unfinished_locked(self) -> list[CommFuture]:
+        """``unfinished()`` for a caller that holds the lock."""
+        out = [f for t in self._track_list for f, _ in t.items()]
+        seen: dict[CommFuture, None] = {}
+        for lane in self._lanes.values():
+            seen.update((f, None) for f in lane.pending if f._state == PENDING)
+        seen.update(self._held())
+        out.extend(seen)
+        return out
 
     def _held(self) -> dict[CommFuture, None]:
         """The named operations waiting for their members' agreement."""

@@ -175,7 +175,7 @@ def test_long_chain_settles_without_recursion(engine, mpi):
 def test_timeout_fails_old_ops_and_dumps_flight_record(clock, mpi):
     dumps = []
     engine = Engine(background=False, clock=clock, timeout=5.0,
-                    on_timeout=lambda expired, record: dumps.append((expired, record)))
+                    on_timeout=lambda expired, record, dump: dumps.append((expired, record)))
     done = submit(engine, mpi, "barrier")
     finish(engine, mpi, 0)
     old = submit(engine, mpi, "allreduce", writes=[A])
