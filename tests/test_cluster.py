@@ -43,8 +43,10 @@ def test_each_rank_binds_the_interface_that_reaches_rank_0_and_both_backends_cro
         assert int(sent) >= int(payload) * (hosts - 1) // hosts, (rank, backend, sent)
 
 
-@pytest.mark.parametrize("hosts", [2, 4])
+@pytest.mark.parametrize("hosts", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_the_contract_suite_across_hosts(hosts):
+    """(4 hosts: 45 s here, in the slow set; the default run covers 4 hosts with the address
+    and link test above.)"""
     out = _run(hosts, ["-m", "pytest", "tests/multirank/test_contract.py", "-q", "-x",
                        "-p", "no:cacheprovider", "--timeout", "180", "--timeout-method",
                        "thread"], timeout=400)

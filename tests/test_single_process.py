@@ -178,7 +178,7 @@ PUBLIC = [
     "CommFuture", "CommTimeoutError", "Communicator", "DType", "DependencyFailedError",
     "DesyncError", "EngineStats", "FutureCancelledError", "InvalidStateError", "MCRDLError",
     "OpKind", "ReduceOp", "Runtime", "RuntimeFinalizedError", "StartError", "UnknownBackendError",
-    "UnsupportedOperationError", "current_runtime", "finalize", "init",
+    "UnsupportedOperationError", "current_runtime", "finalize", "init", "span",
 ]
 
 

@@ -176,7 +176,7 @@ def test_a_name_some_member_never_submits_fails_naming_it():
     world = SimWorld(3, MPI_LIKE, seed=1, timeout=2.0)
     records = []
     for runtime in world.runtimes:
-        runtime.engine._on_timeout = lambda expired, record: records.append(record)
+        runtime.engine._on_timeout = lambda expired, record, dump: records.append(record)
     out = world.run(program)
     assert "DesyncError" in {kind for kind, _ in out}
     for _, text in out:
