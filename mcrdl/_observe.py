@@ -15,6 +15,9 @@ operation, so overlap is what it would be without the log.
   between lanes, and user spans (``with mcrdl.span("forward"):``) on a track of their own;
   clocks aligned to rank 0's at ``init()``.
 
+- While torch's profiler runs, each operation is also a ``record_function`` range
+  ``mcrdl.<op>`` in its trace (``Engine.submit``; one attribute test per operation otherwise).
+
 The ranks' records travel through the bootstrap store (as JSON), not through a communicator:
 a summary or a trace still comes out when an operation failed and broke its communicator.
 """

@@ -98,6 +98,10 @@ class Runtime:
         if bootstrap is not None:
             bootstrap.on_peer_failure.append(self.engine.request_abort)
         self.engine.on_desync = self._on_desync
+        if "torch" in sys.modules:  # (every backend here loads it; a numpy-only world has none)
+            import torch.autograd.profiler
+
+            self.engine.torch_profiler = torch.autograd.profiler
         _watch_dump_signals(self, bootstrap)
         #: Tells peers of broken communicators and listens for theirs (None: no peers, or
         #: a simulated world's own).

@@ -82,3 +82,25 @@ def test_trace_has_a_process_per_rank_a_track_per_lane_flows_spans_and_aligned_c
     assert len(queued) == 2 and queued[0]["dur"] == pytest.approx(1500.0)
     spans = [e for e in events if e.get("cat") == "span"]
     assert [s["name"] for s in spans] == ["forward", "forward"]
+
+
+def test_operations_appear_in_torchs_profiler_while_it_runs():
+    import torch
+    from torch.profiler import profile
+
+    import mcrdl
+
+    comm = mcrdl.init()
+    try:
+        t = torch.ones(16)
+        comm.allreduce(t).wait()  # before the profiler: not recorded
+        with profile() as prof:
+            futs = [comm.allreduce(t) for _ in range(3)]
+            for f in futs:
+                f.wait()
+            comm.allgather(t).wait()
+        comm.allreduce(t).wait()  # after it: not recorded
+        names = [e.name for e in prof.events() if e.name.startswith("mcrdl.")]
+        assert sorted(names) == ["mcrdl.allgather"] + ["mcrdl.allreduce"] * 3
+    finally:
+        mcrdl.finalize()

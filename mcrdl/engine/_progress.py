@@ -84,6 +84,21 @@ _ABANDONED: list[tuple[CommFuture, float]] = []
 _WAITED_BY: set[int] = set()
 
 
+def _profile(profiler: Any, fut: CommFuture) -> None:
+    """Record ``fut`` in the running torch profiler: a ``record_function`` range named
+    ``mcrdl.<op>`` from its submission to its completion (a torch future the range ends on,
+    completed by the operation's callback, on whichever thread settles it)."""
+    import torch
+
+    rf = profiler.record_function(
+        f"mcrdl.{fut.kind}", f"{fut.lane.key} {fut.nbytes} B #{fut.seq}")
+    rf.__enter__()
+    done: torch.futures.Future[None] = torch.futures.Future()
+    rf._call_end_callbacks_on_future(done)
+    rf.__exit__(None, None, None)
+    fut.add_done_callback(lambda _: done.set_result(None))
+
+
 def linger(before: Callable[[], None] = lambda: None) -> None:
     """Before the interpreter finalizes: wait until no abandoned operation holds a thread of
     this process blocked in its backend, or its backend's own timeout has passed; ``before``
@@ -271,6 +286,9 @@ class Engine:
         self.waiting: list[CommFuture] = []
         #: Called (after the lock) with an operation that failed with DesyncError.
         self.on_desync: Callable[[CommFuture], None] | None = None
+        #: torch.autograd.profiler where torch is loaded (set by the runtime): while torch's
+        #: profiler runs, each operation is a range in its trace (`_profile`).
+        self.torch_profiler: Any = None
         self._thread: _drivers.ProgressThread | None = (
             _drivers.ProgressThread(self) if background else None
         )
@@ -370,6 +388,9 @@ class Engine:
             for observer in self._observers:
                 observer(fut, after)  # type: ignore[arg-type]
         fut._engine = self
+        profiler = self.torch_profiler
+        if profiler is not None and profiler._is_profiler_enabled:
+            _profile(profiler, fut)
         fut.t_submit = self.last_active = now = self._clock()
         lane = fut.lane
         lock = self._lock
