@@ -651,6 +651,20 @@ class Communicator:
         text = self._runtime.log_summary(self)
         return text if text is not None else ""
 
+    def log_records(self) -> list[dict[str, Any]]:
+        """This rank's comms log so far (``init(log=True)`` or ``MCRDL_LOG=1``): per finished
+        operation of this runtime, its op, backend, lane, communicator, dtype, bytes, its
+        submit, issue and completion times (seconds, this rank's clock), latency_us (issue
+        to completion), algbw and busbw (GB/s, nccl-tests' definitions). Not collective.
+
+        Raises:
+            MCRDLError: the log is off.
+        """
+        recorder = self._runtime.recorder
+        if recorder is None:
+            raise MCRDLError("the comms log is off: pass init(log=True) or set MCRDL_LOG=1")
+        return recorder.records()
+
     def dump_flight_recorder(self, path: str | None = None) -> None:
         """Write this rank's flight recorder now: per lane, the last finished operations, the
         unfinished ones with their positions, and what this rank's threads wait for. To

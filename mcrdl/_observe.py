@@ -91,17 +91,22 @@ class Recorder:
     # -- records ---------------------------------------------------------------------------
 
     def records(self) -> list[dict[str, Any]]:
-        """Every finished operation so far, as dicts (times in this rank's clock, seconds)."""
+        """Every finished operation so far, as dicts: op, seq, backend, comm, lane, size
+        (of its communicator), state, dtype, bytes, submit, issue and done (this rank's
+        clock, seconds), latency_us (issue to done), algbw and busbw (GB/s)."""
         out = []
         for lane, kind, seq, state, nbytes, dtype, t_submit, t_issue, t_done in list(
                 self.engine.log):
-            issued = t_issue > 0.0
+            issue = t_issue if t_issue > 0.0 else t_done
+            latency = t_done - issue
+            algbw = algbw_bytes(kind, nbytes, lane.size) / latency / 1e9 if latency > 0 else 0.0
             out.append({
                 "op": kind, "seq": seq, "backend": lane.backend_name, "comm": lane.comm_name,
                 "lane": f"{lane.backend_name}:{lane.comm_name}",
                 "size": lane.size, "state": _STATES.get(state, str(state)),
                 "dtype": _dtype_name(dtype), "bytes": nbytes, "submit": t_submit,
-                "issue": t_issue if issued else t_done, "done": t_done,
+                "issue": issue, "done": t_done, "latency_us": latency * 1e6,
+                "algbw": algbw, "busbw": algbw * busbw_factor(kind, lane.size),
             })
         return out
 

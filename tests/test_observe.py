@@ -104,3 +104,30 @@ def test_operations_appear_in_torchs_profiler_while_it_runs():
         assert sorted(names) == ["mcrdl.allgather"] + ["mcrdl.allreduce"] * 3
     finally:
         mcrdl.finalize()
+
+
+def test_log_records_carry_each_operations_figures():
+    import torch
+
+    import mcrdl
+
+    comm = mcrdl.init(log=True)
+    try:
+        t = torch.ones(256)
+        comm.allreduce(t).wait()
+        comm.allgather(t).wait()
+        recs = [r for r in comm.log_records() if r["op"] in ("allreduce", "allgather")][-2:]
+        assert [(r["op"], r["bytes"], r["dtype"], r["state"]) for r in recs] == [
+            ("allreduce", 1024, "float32", "done"), ("allgather", 1024, "float32", "done")]
+        for r in recs:
+            assert r["submit"] <= r["issue"] <= r["done"]
+            assert r["latency_us"] == pytest.approx((r["done"] - r["issue"]) * 1e6)
+            assert r["algbw"] == pytest.approx(1024 / (r["latency_us"] * 1e-6) / 1e9)
+    finally:
+        mcrdl.finalize()
+    with pytest.raises(mcrdl.MCRDLError, match="the comms log is off"):
+        comm2 = mcrdl.init()
+        try:
+            comm2.log_records()
+        finally:
+            mcrdl.finalize()
