@@ -137,3 +137,26 @@ def test_a_killed_rank_on_another_host_fails_the_survivors_operations_and_the_jo
             print(reports)
             return
     pytest.fail(f"the survivors never both reported in {attempt + 1} launches")
+
+
+_TORCHRUN_NODE = """#!/bin/bash
+# One torchrun node per emulated host, started by hydra: without the MPI launcher's variables
+# (mcrdl would take the process for an MPI rank); the node rank is the hydra rank.
+rank=$PMI_RANK
+exec env -u PMI_RANK -u PMI_SIZE -u PMI_FD -u PMI_PORT -u PMI_ID -u MPI_LOCALNRANKS \\
+  -u MPI_LOCALRANKID "$PY" -m torch.distributed.run --nnodes 2 --node-rank "$rank" \\
+  --nproc-per-node 1 --master-addr 198.18.0.10 --master-port 29555 "$@"
+"""
+
+
+def test_torchrun_across_hosts(tmp_path):
+    """torchrun on each of 2 hosts (no MPI): each rank binds gloo to the address its route to
+    MASTER_ADDR leaves from; gloo's bytes cross the links."""
+    node = tmp_path / "node.sh"
+    node.write_text(_TORCHRUN_NODE)
+    node.chmod(0o755)
+    result = Cluster(2).run([str(node), "tests/multirank/torchrun_check.py"], timeout=180,
+                            cwd=ROOT, env={**ENV, "PY": sys.executable})
+    assert result.returncode == 0, result.output[-6000:]
+    assert sorted(re.findall(r"torchrun rank=(\d) size=2 ok", result.output)) == ["0", "1"]
+    assert all(sent > 0 for sent in result.tx_bytes), result.tx_bytes
