@@ -263,7 +263,8 @@ class Bootstrap:
         why = ""
         if self.rank == 0:
             store, port = self._serve(timeout)
-            comm.bcast((self.host, port), root=0)
+            host = self.host
+            comm.bcast((host, port), root=0)
         else:
             host, port = comm.bcast(None, root=0)
             try:
@@ -274,11 +275,10 @@ class Bootstrap:
         # good for a rank that failed and left).
         failed = [w for w in comm.allgather(why) if w]
         if failed:
-            where = comm.bcast(None if self.rank else (self.host, port), root=0)
             raise BackendUnavailableError(
-                f"{len(failed)} rank(s) could not connect to rank 0's store at"
-                f" {where[0]}:{where[1]}: {'; '.join(failed)}; set MCRDL_HOST to the interface"
-                " the ranks reach each other on"
+                f"{len(failed)} rank(s) could not connect to rank 0's store at {host}:{port}:"
+                f" {'; '.join(failed)}; set MCRDL_HOST to the interface the ranks reach each"
+                " other on"
             )
         return store
 

@@ -660,10 +660,7 @@ class Communicator:
         Raises:
             MCRDLError: the log is off.
         """
-        recorder = self._runtime.recorder
-        if recorder is None:
-            raise MCRDLError("the comms log is off: pass init(log=True) or set MCRDL_LOG=1")
-        return recorder.records()
+        return self._runtime.log_records()
 
     def dump_flight_recorder(self, path: str | None = None) -> None:
         """Write this rank's flight recorder now: per lane, the last finished operations, the

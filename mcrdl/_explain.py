@@ -45,20 +45,19 @@ def _describe(op: dict[str, Any]) -> str:
             f" {op['age_s']:.1f} s)")
 
 
-def _instead(rank: int, dumps: dict[int, dict[str, Any]]) -> tuple[str, dict[str, Any] | None]:
-    """What ``rank`` waits on, in words, and that operation (None if nothing)."""
+def _instead(rank: int, dumps: dict[int, dict[str, Any]]) -> str:
+    """What ``rank`` waits on, in words."""
     doc = dumps.get(rank)
     if doc is None:
-        return "no dump from it (it died, or was not asked to dump)", None
+        return "no dump from it (it died, or was not asked to dump)"
     if doc["waiting_on"]:
-        op = doc["waiting_on"][0]
-        return f"it is blocked waiting for {_describe(op)}", op
+        return f"it is blocked waiting for {_describe(doc['waiting_on'][0])}"
     live = [op for lane in doc["lanes"] for op in lane["unfinished"]]
     if live:
         op = max(live, key=lambda o: o["age_s"])
-        return f"nothing blocks it; its oldest unfinished operation is {_describe(op)}", op
+        return f"nothing blocks it; its oldest unfinished operation is {_describe(op)}"
     return ("nothing in flight: its program has not submitted the operation (still "
-            "computing, or it skipped it)"), None
+            "computing, or it skipped it)")
 
 
 def explain(dumps: dict[int, dict[str, Any]]) -> str:
@@ -81,15 +80,14 @@ def explain(dumps: dict[int, dict[str, Any]]) -> str:
         missing = [m for m in members
                    if m not in per_rank or per_rank[m]["submitted"] < pos]
         finished = [m for m in members if m not in issued and m not in missing]
-        stuck.append((key, members, pos, issued, missing, finished))
-    lines = [f"dumps of ranks {sorted(dumps)}"
-             + (f" (world of {next(iter(dumps.values()))['size']})" if dumps else "")]
+        stuck.append((key, members, per_rank, pos, issued, missing, finished))
+    lines = [f"dumps of ranks {sorted(dumps)} (world of {next(iter(dumps.values()))['size']})"]
     if not stuck:
         lines.append("no collective is unfinished in these dumps: nothing is stuck on a lane")
         return "\n".join(lines)
     waits_for: dict[int, set[int]] = {}
     stuck_ops: list[tuple[dict[str, Any], list[int]]] = []
-    for key, members, pos, issued, missing, finished in stuck:
+    for key, members, per_rank, pos, issued, missing, finished in stuck:
         op = next(iter(issued.values()))
         stuck_ops.append((op, missing))
         lines.append(f"\nstuck: {op['op']}#{op['seq']} at position {pos} of lane {key}"
@@ -100,9 +98,8 @@ def explain(dumps: dict[int, dict[str, Any]]) -> str:
             lines.append("  every member issued it: it is in the backend (a slow or lost"
                          " transfer, or a peer that stopped progressing)")
         for m in missing:
-            have = per_rank_submitted(lanes[(key, members)], m)
-            why, _ = _instead(m, dumps)
-            lines.append(f"  not arrived: rank {m} ({have}); {why}")
+            lines.append(f"  not arrived: rank {m} ({_submitted(per_rank, m)});"
+                         f" {_instead(m, dumps)}")
     # Who waits for whom: a rank blocked on a stuck operation waits for its missing ranks.
     for rank, doc in dumps.items():
         for op in doc["waiting_on"]:
@@ -117,7 +114,7 @@ def explain(dumps: dict[int, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def per_rank_submitted(per_rank: dict[int, dict[str, Any]], rank: int) -> str:
+def _submitted(per_rank: dict[int, dict[str, Any]], rank: int) -> str:
     lane = per_rank.get(rank)
     if lane is None:
         return "no record of this lane"

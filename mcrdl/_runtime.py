@@ -130,12 +130,16 @@ class Runtime:
         return rec.gather(self.bootstrap.store(), comm.members, comm.rank, payload,
                           min(self.config.timeout or 60.0, 60.0), everyone)
 
+    def log_records(self) -> list[dict[str, Any]]:
+        """This rank's comms log (`Recorder.records`); MCRDLError while it is off."""
+        if self.recorder is None:
+            raise MCRDLError("the comms log is off: pass init(log=True) or set MCRDL_LOG=1")
+        return self.recorder.records()
+
     def log_summary(self, comm: Communicator, everyone: bool = True) -> str | None:
         """The comms log's summary over ``comm``'s members (collective over them): this
         runtime's operations on every communicator, per (op, backend, size bucket)."""
-        if self.recorder is None:
-            raise MCRDLError("the comms log is off: pass init(log=True) or set MCRDL_LOG=1")
-        gathered = self._gather(comm, self.recorder.records(), everyone)
+        gathered = self._gather(comm, self.log_records(), everyone)
         if gathered is None:
             return None
         text = format_summary(summarize([g for g in gathered if g is not None]))
@@ -534,7 +538,8 @@ def _finalize_at_exit() -> None:
             runtime.finalize()
         except Exception as exc:  # noqa: BLE001 - report, but let the interpreter exit
             sys.stderr.write(f"mcrdl: finalize at exit failed: {exc}\n")
-    if _unhealthy and "mpi4py.MPI" in sys.modules and threading.current_thread() is threading.main_thread():
+    main = threading.current_thread() is threading.main_thread()
+    if _unhealthy and "mpi4py.MPI" in sys.modules and main:
         # After failures (a dead peer, a timeout, a host cut off) MPI_Finalize, which runs
         # after this, can wait forever in the launcher for a process that never comes. An
         # alarm whose default action ends the process bounds it: a watchdog thread cannot,

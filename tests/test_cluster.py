@@ -15,9 +15,10 @@ import pytest
 from mcrdl.testing.cluster import Cluster
 from tests.launch import ROOT
 
+_UNAVAILABLE = Cluster.unavailable()
 pytestmark = [pytest.mark.multirank,
-              pytest.mark.skipif(Cluster.unavailable() is not None,
-                                 reason=f"no emulated hosts here: {Cluster.unavailable()}")]
+              pytest.mark.skipif(_UNAVAILABLE is not None,
+                                 reason=f"no emulated hosts here: {_UNAVAILABLE}")]
 
 ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
        "MCRDL_TIMEOUT": "30", "MCRDL_MULTIRANK": "1"}

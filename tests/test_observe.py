@@ -131,3 +131,26 @@ def test_log_records_carry_each_operations_figures():
             comm2.log_records()
         finally:
             mcrdl.finalize()
+
+
+def test_clock_alignment_finds_a_known_offset_to_rank_0():
+    """Two ranks as threads over one store, rank 0's clock 5 s ahead: rank 1's offset is
+    +5 s, within its recorded bound (the real runs share one machine's clock: offset ~0)."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from mcrdl._observe import Recorder
+
+    store = dist.HashStore()
+    ahead = SimpleNamespace(_clock=lambda: time.perf_counter() + 5.0)
+    behind = SimpleNamespace(_clock=time.perf_counter)
+    r0, r1 = Recorder(ahead, 0, 2), Recorder(behind, 1, 2)
+    t = threading.Thread(target=r0.align, args=(store, 30.0))
+    t.start()
+    r1.align(store, 30.0)
+    t.join()
+    assert r0.offset == 0.0
+    assert abs(r1.offset - 5.0) <= r1.skew_bound + 1e-3, (r1.offset, r1.skew_bound)

@@ -32,8 +32,8 @@ from pathlib import Path
 
 __all__ = ["Cluster", "ClusterResult"]
 
-_UNSHARE = ["unshare", "--user", "--map-root-user", "--net", "--mount", "--pid", "--fork", "--kill-child",
-            "--mount-proc"]
+_UNSHARE = ["unshare", "--user", "--map-root-user", "--net", "--mount", "--pid", "--fork",
+            "--kill-child", "--mount-proc"]
 _SUBNET = "198.18.0"
 
 _FAKE_SSH = """#!/bin/bash
@@ -109,11 +109,11 @@ class Cluster:
                 return f"{tool!r} is not installed (apt-get install util-linux iproute2)"
         if _mpiexec() is None:
             return "mpiexec is not installed (pip install mpich)"
-        probe = "ip link add br0 type bridge && ip netns add h0 2>/dev/null; true"
+        # The first steps of a run's set-up, in a namespace of their own.
+        probe = ("mount -t tmpfs none /run && mkdir -p /run/netns"
+                 " && ip link add br0 type bridge && ip netns add h0")
         try:
-            proc = subprocess.run([*_UNSHARE, "bash", "-c",
-                                   "mount -t tmpfs none /run && mkdir -p /run/netns && " + probe
-                                   + " && ip link show br0 >/dev/null"],
+            proc = subprocess.run([*_UNSHARE, "bash", "-c", probe],
                                   capture_output=True, text=True, timeout=30)
         except (OSError, subprocess.TimeoutExpired) as exc:
             return f"cannot make namespaces here: {exc}"
