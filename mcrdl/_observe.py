@@ -229,12 +229,14 @@ def format_summary(rows: list[dict[str, Any]]) -> str:
 
 # -- the trace -----------------------------------------------------------------------------
 
-def trace_events(per_rank: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
-    """Trace events for every rank's payload (``records``, ``edges``, ``spans``, ``offset``),
-    times in µs from ``t0`` (rank 0's clock)."""
+def trace_events(per_rank: list[dict[str, Any] | None], t0: float) -> list[dict[str, Any]]:
+    """Trace events for every rank's payload (``records``, ``edges``, ``spans``, ``offset``;
+    None for a rank that did not report), times in µs from ``t0`` (rank 0's clock)."""
     events: list[dict[str, Any]] = []
     flow_id = 0
     for rank, payload in enumerate(per_rank):
+        if payload is None:
+            continue
         off = payload["offset"]
 
         def us(t: float, off: float = off) -> float:

@@ -154,3 +154,10 @@ def test_clock_alignment_finds_a_known_offset_to_rank_0():
     t.join()
     assert r0.offset == 0.0
     assert abs(r1.offset - 5.0) <= r1.skew_bound + 1e-3, (r1.offset, r1.skew_bound)
+
+
+def test_a_rank_that_did_not_report_is_left_out_of_the_trace():
+    payload = {"offset": 0.0, "skew_bound": 0.0, "t0": 0.0, "edges": [], "spans": [],
+               "records": [_rec("allreduce", 4, 0.001, 0.002)]}
+    events = trace_events([payload, None, payload], t0=0.0)
+    assert {e["pid"] for e in events} == {0, 2}
