@@ -20,7 +20,8 @@ import socket
 import struct
 import time
 
-__all__ = ["LOOPBACK", "Listeners", "local_addresses", "net_identity", "probe", "resolve_host"]
+__all__ = ["LOOPBACK", "Listeners", "describe_reach", "local_addresses", "net_identity", "probe",
+           "resolve_host"]
 
 LOOPBACK = "127.0.0.1"
 _SIOCGIFFLAGS = 0x8913
