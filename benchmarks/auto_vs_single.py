@@ -155,9 +155,9 @@ def main() -> None:
     # What consulting the table costs per call: the table as tuned, and a table that splits
     # allreduce by size (a Router: one bisect per call).
     def per_call(backend):
-        comm._choose(OpKind.ALLREDUCE, DType.FLOAT32, ReduceOp.SUM, 16, backend)
+        comm._choose(OpKind.ALLREDUCE, DType.FLOAT32, ReduceOp.SUM, 16, backend, "cpu")
         return min(timeit.repeat(
-            lambda: comm._choose(OpKind.ALLREDUCE, DType.FLOAT32, ReduceOp.SUM, 16, backend),
+            lambda: comm._choose(OpKind.ALLREDUCE, DType.FLOAT32, ReduceOp.SUM, 16, backend, "cpu"),
             number=100000, repeat=5)) / 100000 * 1e9
 
     cost = {"tuned": per_call(None), "explicit": per_call("mpi")}

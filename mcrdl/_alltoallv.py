@@ -58,14 +58,19 @@ class Exchanged:
         self.out: Any = None
         mine = np.asarray(send, dtype=np.int64)
         if router is None:  # the counts only: on the data's own backend where one was named
+            # and it reaches host memory (the counts are a host array)
+            if (backend is not None
+                    and "cpu" not in comm._slots[backend].backend.capabilities.devices):
+                backend = None
             self.counts = np.empty(size, dtype=np.int64)
-            slot, _ = comm._choose(OpKind.ALLTOALL, DType.INT64, None, mine.nbytes, backend)
+            slot, _ = comm._choose(OpKind.ALLTOALL, DType.INT64, None, mine.nbytes, backend, "cpu")
             start, nbytes = slot.backend.start_alltoall, mine.nbytes
             kind = OpKind.ALLTOALL
         else:  # counts and total: everybody's send counts, a row per member
             mine = mine.reshape(1, size)
             self.counts = np.empty((size, size), dtype=np.int64)
-            slot, _ = comm._choose(OpKind.ALLGATHER, DType.INT64, None, 8 * size * size, None)
+            slot, _ = comm._choose(OpKind.ALLGATHER, DType.INT64, None, 8 * size * size, None,
+                                   "cpu")
             start, nbytes = slot.backend.start_allgather, mine.nbytes
             kind = OpKind.ALLGATHER
         self.exchange = comm._submit(
@@ -95,7 +100,7 @@ class Exchanged:
             recv = self.recv_counts()
         rows = sum(recv)
         if out is None:
-            out = new_buffer(buf.empty((rows, *self.tail)), buf.is_torch, buf.dtype)
+            out = new_buffer(buf.empty((rows, *self.tail)), buf.is_torch, buf.dtype, buf.device)
         elif out.obj.shape[0] != rows:
             raise ValueError(f"out has {out.obj.shape[0]} rows but the peers send {rows} "
                              f"(recv_counts {list(recv)})")

@@ -1,11 +1,16 @@
-"""Buffers: what a user passes (torch CPU tensors, numpy arrays), checked once and viewed per backend.
+"""Buffers: what a user passes (torch tensors, numpy arrays), checked once and viewed per backend.
 
 A `Buffer` wraps the caller's object without copying it. It knows the element type, the shape,
-and the byte range the object occupies (the engine's hazard tracking orders operations that
-touch overlapping ranges). Backends take what they speak from it: the address and length
-(the mpi backend), ``torch()`` (gloo) or ``numpy()``. Nothing is ever converted behind the caller's back: a buffer
-that a backend cannot use as it is (non-contiguous, on another device, read-only where it must be
-written) is refused with a message that says what to pass instead.
+the device its memory is on, and the byte range it occupies (the engine's hazard tracking
+orders operations that touch overlapping ranges). Backends take what they speak from it: the
+address and length (the mpi backend), ``torch()`` (gloo, nccl) or ``numpy()``. Nothing is ever
+converted behind the caller's back: a buffer that a backend cannot use as it is
+(non-contiguous, read-only where it must be written) is refused with a message that says what
+to pass instead; one on a device the chosen backend cannot reach is refused where the backend
+is chosen (`mcrdl._select`).
+
+Devices are named as torch names them (``"cpu"``, ``"cuda:0"``). A numpy array subclass that
+reports another ``device`` (the simulated device of ``mcrdl.testing``) is taken at its word.
 
 torch is never imported here: a tensor can only reach us if the caller imported torch already.
 """
@@ -67,7 +72,7 @@ class Buffer(NamedTuple):
             there are no hazards to track. It is exact for every tensor.
         is_torch: a torch tensor (else a numpy array).
         fresh: allocated by mcrdl for this operation (an ``out`` the caller did not pass).
-        device: where its memory lives, as torch names devices (``"cpu"``).
+        device: where its memory lives, as torch names devices (``"cpu"``, ``"cuda:0"``).
         ranges: the byte ranges the engine tracks hazards on: none for an empty or fresh
             buffer (made with the buffer: every operation reads it).
     """
@@ -118,11 +123,14 @@ class Buffer(NamedTuple):
         return n
 
     def empty(self, shape: tuple[int, ...]) -> Any:
-        """A new, uninitialized object of this buffer's kind and dtype with ``shape``."""
+        """A new, uninitialized object of this buffer's kind, dtype and device with ``shape``."""
+        obj = self.obj
         if self.is_torch:
             torch = sys.modules["torch"]
-            return torch.empty(shape, dtype=self.obj.dtype)
-        return np.empty(shape, dtype=self.obj.dtype)
+            return torch.empty(shape, dtype=obj.dtype, device=obj.device)
+        if type(obj) is np.ndarray:
+            return np.empty(shape, dtype=obj.dtype)
+        return np.empty_like(obj, shape=shape)  # (a subclass, and the device it reports)
 
     def __repr__(self) -> str:
         kind = "tensor" if self.is_torch else "ndarray"
@@ -134,11 +142,11 @@ _new = tuple.__new__
 _CPU = "cpu"
 
 
-def new_buffer(obj: Any, is_torch: bool, dtype: DType) -> Buffer:
-    """A Buffer for an array mcrdl allocated itself (contiguous, host memory, unshared)."""
+def new_buffer(obj: Any, is_torch: bool, dtype: DType, device: str = _CPU) -> Buffer:
+    """A Buffer for an array mcrdl allocated itself (contiguous, unshared, on ``device``)."""
     n = obj.nbytes
     return _new(Buffer, (obj, dtype, n, obj.data_ptr() if is_torch and n else 0, is_torch, True,
-                         _CPU, ()))
+                         device, ()))
 
 
 def as_buffer(obj: Any, name: str, writable: bool = False) -> Buffer:
@@ -146,18 +154,19 @@ def as_buffer(obj: Any, name: str, writable: bool = False) -> Buffer:
 
     Raises:
         TypeError: not a torch tensor or numpy array, or a dtype mcrdl does not carry.
-        ValueError: non-contiguous, not in host memory, or read-only where ``writable``.
+        ValueError: non-contiguous, or read-only where ``writable``.
     """
     tensor_type: Any = _tensor_type
     if tensor_type is not None and isinstance(obj, tensor_type):
         dt = _TORCH_DTYPES.get(obj.dtype)
-        if dt is None or not obj.is_cpu or not obj.is_contiguous():
+        if dt is None or not obj.is_contiguous():
             _refuse_tensor(obj, name, dt)
+        device = _CPU if obj.is_cpu else str(obj.device)
         n = obj.nbytes
         if not n:
-            return _new(Buffer, (obj, dt, 0, 0, True, False, _CPU, ()))
+            return _new(Buffer, (obj, dt, 0, 0, True, False, device, ()))
         addr = obj.data_ptr()
-        return _new(Buffer, (obj, dt, n, addr, True, False, _CPU, ((addr, addr + n),)))
+        return _new(Buffer, (obj, dt, n, addr, True, False, device, ((addr, addr + n),)))
     if isinstance(obj, np.ndarray):
         dt = _NUMPY_DTYPES.get(obj.dtype)
         if dt is None:
@@ -174,13 +183,20 @@ def as_buffer(obj: Any, name: str, writable: bool = False) -> Buffer:
             )
         if writable and not flags.writeable:
             raise ValueError(f"{name} is read-only but this operation writes it; pass a writable array")
+        device = _CPU if type(obj) is np.ndarray else str(obj.device)
         n = obj.nbytes
         if not n:
-            return _new(Buffer, (obj, dt, 0, 0, False, False, _CPU, ()))
+            return _new(Buffer, (obj, dt, 0, 0, False, False, device, ()))
         addr = obj.__array_interface__["data"][0]
-        return _new(Buffer, (obj, dt, n, addr, False, False, _CPU, ((addr, addr + n),)))
+        return _new(Buffer, (obj, dt, n, addr, False, False, device, ((addr, addr + n),)))
     if tensor_type is None and _torch_tensor_type() is not None:
         return as_buffer(obj, name, writable)  # first tensor of the process: tables are ready
+    if hasattr(obj, "__cuda_array_interface__"):
+        raise TypeError(
+            f"{name} is a {type(obj).__module__}.{type(obj).__qualname__} in CUDA memory, "
+            f"which mcrdl does not take directly yet; pass torch.as_tensor({name}, "
+            f"device='cuda') (zero-copy, the same memory)"
+        )
     raise TypeError(
         f"{name} must be a torch.Tensor or numpy.ndarray, got {type(obj).__module__}."
         f"{type(obj).__qualname__}"
@@ -192,11 +208,6 @@ def _refuse_tensor(obj: Any, name: str, dt: DType | None) -> None:
         raise TypeError(
             f"{name} has dtype {obj.dtype}, which mcrdl does not carry; "
             f"supported: {', '.join(d.value for d in _TO_TORCH)}"
-        )
-    if not obj.is_cpu:
-        raise ValueError(
-            f"{name} is on device {obj.device}, which the CPU backends cannot reach; "
-            f"pass {name}.cpu() or use a GPU backend"
         )
     raise ValueError(
         f"{name} is not contiguous (shape {tuple(obj.shape)}, strides {obj.stride()}); "

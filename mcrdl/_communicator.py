@@ -102,6 +102,8 @@ class Communicator:
         self._splits = 0
         self._closed = False
         self._choice_cache: dict[tuple[Any, ...], Any] = {}  # (slot, emulate) or a Router
+        #: The devices the runtime's backends reach, by name (empty: host memory only).
+        self._devices = runtime.devices
         self._sigs: dict[tuple[Any, ...], str] = {}  # named collectives' signatures
 
     # -- identity ------------------------------------------------------------------------
@@ -136,24 +138,26 @@ class Communicator:
     # -- plumbing ------------------------------------------------------------------------
 
     def _choose(
-        self, kind: OpKind, dtype: DType | None, op: ReduceOp | None, nbytes: int, backend: Any
+        self, kind: OpKind, dtype: DType | None, op: ReduceOp | None, nbytes: int, backend: Any,
+        device: str | None,
     ) -> tuple[Slot, bool]:
-        """The slot to run a message of ``nbytes`` (global size) on, and whether AVG must be
-        emulated (SUM, then divide)."""
-        choice = self._choice_cache.get((kind, dtype, op, backend))
+        """The slot to run a message of ``nbytes`` (global size) on buffers on ``device``
+        (None: it has none) on, and whether AVG must be emulated (SUM, then divide)."""
+        choice = self._choice_cache.get((kind, dtype, op, backend, device))
         if choice is None:
-            choice = self._decide(kind, dtype, op, backend)
+            choice = self._decide(kind, dtype, op, backend, device)
         return choice if type(choice) is tuple else choice.pick(nbytes)  # type: ignore[union-attr]
 
     def _decide(
-        self, kind: OpKind, dtype: DType | None, op: ReduceOp | None, backend: Any
+        self, kind: OpKind, dtype: DType | None, op: ReduceOp | None, backend: Any,
+        device: str | None,
     ) -> tuple[Slot, bool] | Router:
         """``(slot, emulate_avg)``, or a `Router` where auto's choice depends on the global
-        message size; cached per (kind, dtype, op, backend), since a choice depends on
-        nothing else (rule 4). Closing the communicator empties the cache, so a cache hit
+        message size; cached per (kind, dtype, op, backend, device), since a choice depends
+        on nothing else (rule 4). Closing the communicator empties the cache, so a cache hit
         also means "open".
         """
-        key = (kind, dtype, op, backend)
+        key = (kind, dtype, op, backend, device)
         hit: tuple[Slot, bool] | Router | None = self._choice_cache.get(key)
         if hit is not None:
             return hit
@@ -164,7 +168,7 @@ class Communicator:
                 else f"cannot {kind.value} on {self!r}: the communicator is closed"
             )
         choice = self._choice_cache[key] = self._selector.choose(
-            self._slots, kind, dtype, op, backend, self.size)
+            self._slots, kind, dtype, op, backend, self.size, device)
         return choice
 
     def _mark_closed(self) -> None:
@@ -207,14 +211,26 @@ class Communicator:
             fut = CommFuture(_NAMES[kind], named.lane, seq, start, (named.group, *args[1:]),
                              reads, writes, result, nbytes, finish, hold)
             fut.name = name
+            if self._devices:
+                fut.device = self._device_of(args)
             sig = self._signature(kind, slot.backend.name, args)
             return self._engine.submit(fut, after, named=(self._names, sig))
         self._seq = seq = self._seq + 1
         fut = CommFuture(_NAMES[kind], slot.lane, seq, start, args, reads, writes, result,
                          nbytes, finish, hold, stream)
+        if self._devices:
+            fut.device = self._device_of(args)
         if self._debug is not None and kind in COLLECTIVES:
             after = self._checked(kind, None if route else slot.backend.name, args, after)
         return self._engine.submit(fut, after, route)
+
+    def _device_of(self, args: tuple[Any, ...]) -> Any:
+        """The `Device` the operation's buffers are on (None: host memory; ``_out`` made sure
+        that an operation's buffers share one device)."""
+        for arg in args:
+            if type(arg) is Buffer and arg.device != "cpu":
+                return self._devices[arg.device]
+        return None
 
     def _checked(self, kind: OpKind, backend: str | None, args: tuple[Any, ...],
                  after: Sequence[CommFuture]) -> list[CommFuture]:
@@ -316,11 +332,15 @@ class Communicator:
         """Check a caller's ``out`` for a result of ``shape`` (None: any shape), or allocate
         one."""
         if out is None and shape is not None:
-            return new_buffer(b.empty(shape), b.is_torch, b.dtype)
+            return new_buffer(b.empty(shape), b.is_torch, b.dtype, b.device)
         o = as_buffer(out, "out", True)
         if o.dtype is not b.dtype:
             raise TypeError(
                 f"out has dtype {o.dtype.value} but buf has {b.dtype.value}; they must match"
+            )
+        if o.device != b.device:
+            raise ValueError(
+                f"out is on {o.device} but buf is on {b.device}; pass an out on {b.device}"
             )
         if o.nbytes and b.nbytes and o.addr < b.stop and b.addr < o.stop:
             raise ValueError(
@@ -354,7 +374,7 @@ class Communicator:
         b = as_buffer(buf, "buf")
         dst = self._peer_arg("dst", dst)
         tag = self._tag_arg(tag)
-        slot, _ = self._choose(OpKind.SEND, b.dtype, None, b.nbytes, backend)
+        slot, _ = self._choose(OpKind.SEND, b.dtype, None, b.nbytes, backend, b.device)
         return self._submit(OpKind.SEND, slot, slot.backend.start_send, (slot.group, b, dst, tag),
                             b.ranges, _NO_RANGES, None, b.nbytes, after, hold=b.obj,
                             stream=(dst, tag, True))
@@ -367,7 +387,7 @@ class Communicator:
         b = as_buffer(buf, "buf", True)
         src = self._peer_arg("src", src)
         tag = self._tag_arg(tag)
-        slot, _ = self._choose(OpKind.RECV, b.dtype, None, b.nbytes, backend)
+        slot, _ = self._choose(OpKind.RECV, b.dtype, None, b.nbytes, backend, b.device)
         return self._submit(OpKind.RECV, slot, slot.backend.start_recv, (slot.group, b, src, tag),
                             _NO_RANGES, b.ranges, buf, b.nbytes, after, stream=(src, tag, False))
 
@@ -380,7 +400,7 @@ class Communicator:
         """Copy ``root``'s ``buf`` into every member's ``buf``; resolves to ``buf``."""
         b = as_buffer(buf, "buf", True)
         root = self._rank_arg("root", root)
-        slot, _ = self._choose(_BROADCAST, b.dtype, None, b.nbytes, backend)
+        slot, _ = self._choose(_BROADCAST, b.dtype, None, b.nbytes, backend, b.device)
         r = b.ranges
         reads, writes = (r, _NO_RANGES) if root == self.rank else (_NO_RANGES, r)
         return self._submit(_BROADCAST, slot, slot.backend.start_broadcast,
@@ -394,7 +414,8 @@ class Communicator:
         b = as_buffer(buf, "buf", True)
         root = self._rank_arg("root", root)
         op = _check_op(op)
-        slot, emulate = self._choose(OpKind.REDUCE, b.dtype, op, b.nbytes, backend)
+        slot, emulate = self._choose(OpKind.REDUCE, b.dtype, op, b.nbytes, backend,
+                                     b.device)
         finish = None
         if emulate:
             op = _SUM
@@ -413,7 +434,7 @@ class Communicator:
         """Reduce every member's ``buf`` into every member's ``buf``; resolves to ``buf``."""
         b = as_buffer(buf, "buf", True)
         op = _check_op(op)
-        slot, emulate = self._choose(_ALLREDUCE, b.dtype, op, b.nbytes, backend)
+        slot, emulate = self._choose(_ALLREDUCE, b.dtype, op, b.nbytes, backend, b.device)
         finish = None
         if emulate:
             op = _SUM
@@ -434,7 +455,8 @@ class Communicator:
         if not b.shape:
             raise ValueError("gather concatenates along dim 0, but buf is 0-dimensional; "
                              "pass buf.reshape(1)")
-        slot, _ = self._choose(OpKind.GATHER, b.dtype, None, b.nbytes * self.size, backend)
+        slot, _ = self._choose(OpKind.GATHER, b.dtype, None, b.nbytes * self.size, backend,
+                               b.device)
         o = None
         if root == self.rank:
             o = self._out(OpKind.GATHER, out, b, (b.shape[0] * self.size, *b.shape[1:]))
@@ -454,7 +476,8 @@ class Communicator:
         if not shape:
             raise ValueError("allgather concatenates along dim 0, but buf is 0-dimensional; "
                              "pass buf.reshape(1)")
-        slot, _ = self._choose(_ALLGATHER, b.dtype, None, b.nbytes * self.size, backend)
+        slot, _ = self._choose(_ALLGATHER, b.dtype, None, b.nbytes * self.size, backend,
+                               b.device)
         # A 1-d buffer, the common case, skips slicing its shape: slicing a torch.Size is slow
         # enough to show in a small allgather's overhead (docs/performance.md).
         rows = shape[0] * self.size
@@ -477,13 +500,13 @@ class Communicator:
             if not o.shape:
                 raise ValueError("scatter's out must have a leading dimension; got 0-d")
             b = None
-            dtype, nbytes = o.dtype, o.nbytes * self.size
+            dtype, nbytes, device = o.dtype, o.nbytes * self.size, o.device
         else:
             b = as_buffer(buf, "buf")
             rows = self._rows(OpKind.SCATTER, b)
             o = self._out(OpKind.SCATTER, out, b, (rows // self.size, *b.shape[1:]))
-            dtype, nbytes = b.dtype, b.nbytes
-        slot, _ = self._choose(OpKind.SCATTER, dtype, None, nbytes, backend)
+            dtype, nbytes, device = b.dtype, b.nbytes, b.device
+        slot, _ = self._choose(OpKind.SCATTER, dtype, None, nbytes, backend, device)
         send = b if root == self.rank else None
         return self._submit(OpKind.SCATTER, slot, slot.backend.start_scatter,
                             (slot.group, send, o, root),
@@ -499,7 +522,8 @@ class Communicator:
         b = as_buffer(buf, "buf")
         op = _check_op(op)
         rows = self._rows(_REDUCE_SCATTER, b)
-        slot, emulate = self._choose(_REDUCE_SCATTER, b.dtype, op, b.nbytes, backend)
+        slot, emulate = self._choose(_REDUCE_SCATTER, b.dtype, op, b.nbytes, backend,
+                                     b.device)
         o = self._out(_REDUCE_SCATTER, out, b, (rows // self.size, *b.shape[1:]))
         finish = None
         if emulate:
@@ -516,7 +540,7 @@ class Communicator:
         """Chunk j of this rank's ``buf`` (along dim 0) goes to rank j; resolves to ``out``."""
         b = as_buffer(buf, "buf")
         self._rows(_ALLTOALL, b)
-        slot, _ = self._choose(_ALLTOALL, b.dtype, None, b.nbytes, backend)
+        slot, _ = self._choose(_ALLTOALL, b.dtype, None, b.nbytes, backend, b.device)
         o = self._out(_ALLTOALL, out, b, b.obj.shape)
         return self._submit(_ALLTOALL, slot, slot.backend.start_alltoall, (slot.group, b, o),
                             b.ranges, o.ranges, o.obj, b.nbytes, after, hold=b.obj, name=name)
@@ -562,7 +586,7 @@ class Communicator:
                                  f"shape {tuple(b.shape)} needs (sum(recv_counts), *{tail})")
         else:
             o = None
-        choice = self._decide(OpKind.ALLTOALLV, b.dtype, None, backend)
+        choice = self._decide(OpKind.ALLTOALLV, b.dtype, None, backend, b.device)
         writes = o.ranges if o is not None else _NO_RANGES
         if type(choice) is not tuple:  # routed by the agreed total, which the exchange gives
             router = cast("Router", choice)
@@ -609,7 +633,7 @@ class Communicator:
         name: str | None = None,
     ) -> CommFuture:
         """Complete once every member has reached its barrier; resolves to None."""
-        slot, _ = self._choose(OpKind.BARRIER, None, None, 0, backend)
+        slot, _ = self._choose(OpKind.BARRIER, None, None, 0, backend, None)
         return self._submit(OpKind.BARRIER, slot, slot.backend.start_barrier, (slot.group,),
                             _NO_RANGES, _NO_RANGES, None, 0, after, name=name)
 

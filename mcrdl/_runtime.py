@@ -80,7 +80,16 @@ class Runtime:
             if b.capabilities.blocking_calls else b
             for name, b in backends.items()
         }
+        if not any("cpu" in b.capabilities.devices for b in backends.values()):
+            raise BackendUnavailableError(
+                f"backends {', '.join(sorted(backends))} reach device memory only; mcrdl "
+                "needs one that reaches host memory too (mpi or gloo) for its own exchanges "
+                "(named operations' agreement, debug mode's checks)"
+            )
         self.finalized = False
+        #: The devices the backends reach, by name (`mcrdl.backends.Device`).
+        self.devices: dict[str, Any] = {b.device.name: b.device for b in backends.values()
+                                        if b.device is not None}
         self.engine = engine or Engine(
             policy=PollPolicy(oversubscribed=_oversubscribed(bootstrap)),
             background=config.progress_thread,
@@ -258,9 +267,10 @@ class Runtime:
     @property
     def control_backend(self) -> str:
         """The backend of the runtime's own exchanges (debug fingerprints, agreed totals):
-        rank-invariant, the first of the built-in preference that is up, whatever the
-        selector prefers."""
-        names = sorted(self._backends)
+        rank-invariant, the first of the built-in preference that is up and reaches host
+        memory, whatever the selector prefers."""
+        names = sorted(n for n, b in self._backends.items()
+                       if "cpu" in b.capabilities.devices)  # (its exchanges are host arrays)
         return next((n for n in DEFAULT_PREFERENCE if n in names), names[0])
 
     def make_communicator(

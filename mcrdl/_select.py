@@ -1,12 +1,14 @@
 """Backend selection: which backend runs an operation, as a pure function of rank-invariant facts.
 
 Rule 4 of DESIGN.md: the backend of a collective depends only on the operation, the dtype, the
-global message size, the communicator size and a table every rank holds identically, never on
+kind of device its buffers are on, the global message size, the communicator size and a table
+every rank holds identically, never on
 local timings or per-rank sizes, so that all members pick the same backend without talking.
 With a tuning table (``mcrdl.tuning``) the table's choice for the operation, dtype,
 communicator size and global message size wins, where the backend is up and can run it.
 Without one, or where it says nothing, the choice is the first backend in the preference order
-that can run the operation on the dtype (natively, or AVG as SUM then divide).
+that can run the operation on the dtype (natively, or AVG as SUM then divide) and reach the
+device; for device buffers, stream-ordered backends (NCCL) come first.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._errors import BackendUnavailableError, UnknownBackendError, UnsupportedOperationError
 from ._types import REDUCING, DType, OpKind, ReduceOp
-from .backends import known_backends
+from .backends import device_kind, known_backends
 
 if TYPE_CHECKING:
     from .backends import Backend
@@ -59,8 +61,12 @@ def _dname(dtype: DType | None) -> str:
     return "none" if dtype is None else dtype.value
 
 
-def _cannot(caps: Any, kind: OpKind, dtype: DType | None, op: ReduceOp | None) -> str | None:
-    """Why a backend with ``caps`` cannot run this, or None if it can."""
+def _cannot(caps: Any, kind: OpKind, dtype: DType | None, op: ReduceOp | None,
+            device: str | None = None) -> str | None:
+    """Why a backend with ``caps`` cannot run this on buffers on ``device`` (None: no
+    buffers), or None if it can."""
+    if device is not None and device_kind(device) not in caps.devices:
+        return f"cannot reach {device} (it reaches {', '.join(sorted(caps.devices))})"
     if kind not in caps.ops:
         return f"cannot {kind.value}"
     if dtype is not None and dtype not in caps.dtypes:
@@ -92,14 +98,17 @@ class Selector:
         op: ReduceOp | None,
         backend: str | None,
         comm_size: int = 0,
+        device: str | None = "cpu",
     ) -> tuple[Slot, bool] | Router:
-        """``(slot, emulate_avg)`` for an operation, whatever its size; or, for
+        """``(slot, emulate_avg)`` for an operation on buffers on ``device`` (None: it has
+        none), whatever its size; or, for
         ``backend="auto"`` with a tuning table whose choice depends on the global message
         size, a `Router` (``router.pick(nbytes)`` gives the choice).
 
         Raises:
             UnknownBackendError, BackendUnavailableError: a bad ``backend`` name.
-            UnsupportedOperationError: the backend (or, for auto, every backend) cannot run it.
+            UnsupportedOperationError: the backend (or, for auto, every backend) cannot run it,
+                or cannot reach the device (naming those that can).
             ValueError: AVG on an integer dtype, a bitwise op on a floating-point one.
         """
         if op is ReduceOp.AVG and dtype is not None and not dtype.is_floating:
@@ -115,16 +124,16 @@ class Selector:
             )
         if backend is None or backend == "auto":
             if self.table is not None:
-                routed = self._routed(slots, kind, dtype, op, comm_size)
+                routed = self._routed(slots, kind, dtype, op, comm_size, device)
                 if routed is not None:
                     return routed
-            name = self._auto(slots, kind, dtype, op)
+            name = self._auto(slots, kind, dtype, op, device)
         elif type(backend) is str and backend in slots:
             name = backend
-            why = _cannot(slots[name].backend.capabilities, kind, dtype, op)
+            why = _cannot(slots[name].backend.capabilities, kind, dtype, op, device)
             if why is not None:
                 able = [n for n in self.preference
-                        if _cannot(slots[n].backend.capabilities, kind, dtype, op) is None]
+                        if _cannot(slots[n].backend.capabilities, kind, dtype, op, device) is None]
                 raise UnsupportedOperationError(
                     f"{name} {why}; backends that can: {', '.join(able) if able else 'none'}"
                 )
@@ -146,10 +155,11 @@ class Selector:
 
     def _routed(
         self, slots: Mapping[str, Slot], kind: OpKind, dtype: DType | None,
-        op: ReduceOp | None, comm_size: int,
+        op: ReduceOp | None, comm_size: int, device: str | None,
     ) -> tuple[Slot, bool] | Router | None:
         """The table's choice, where it has one that can run here; None: use the default."""
-        route = self.table.route(kind.value, _dname(dtype), comm_size)  # type: ignore[union-attr]
+        route = self.table.route(  # type: ignore[union-attr]
+            kind.value, _dname(dtype), comm_size, device_kind(device or "cpu"))
         if route is None:
             return None
         bounds, names = route
@@ -157,8 +167,9 @@ class Selector:
         for name in names:
             # A choice this runtime cannot honour (a backend not up, or not able to run this
             # dtype) falls back to the default rule: capabilities first, the same everywhere.
-            if name not in slots or _cannot(slots[name].backend.capabilities, kind, dtype, op):
-                name = self._auto(slots, kind, dtype, op)
+            if name not in slots or _cannot(slots[name].backend.capabilities, kind, dtype, op,
+                                            device):
+                name = self._auto(slots, kind, dtype, op, device)
             slot = slots[name]
             emulate = op is ReduceOp.AVG and ReduceOp.AVG not in slot.backend.capabilities.reductions
             choices.append((slot, emulate))
@@ -167,14 +178,24 @@ class Selector:
         return Router(bounds, choices)
 
     def _auto(
-        self, slots: Mapping[str, Slot], kind: OpKind, dtype: DType | None, op: ReduceOp | None
+        self, slots: Mapping[str, Slot], kind: OpKind, dtype: DType | None, op: ReduceOp | None,
+        device: str | None = None,
     ) -> str:
-        for name in self.preference:
-            if name in slots and _cannot(slots[name].backend.capabilities, kind, dtype, op) is None:
+        order = self.preference
+        if device is not None and device_kind(device) != "cpu":
+            # Device buffers: a backend that orders its work on the device's streams first
+            # (NCCL and its kind never make the host wait), in the preference order.
+            order = tuple(sorted(order, key=lambda n: n not in slots
+                                 or not slots[n].backend.capabilities.stream_ordered))
+        for name in order:
+            if name in slots and _cannot(slots[name].backend.capabilities, kind, dtype, op,
+                                         device) is None:
                 return name
         what = kind.value + (f" {dtype.value}" if dtype is not None else "")
         if op is not None and kind in REDUCING:
             what += f" with {op.name}"
+        if device is not None and device_kind(device) != "cpu":
+            what += f" on {device}"
         raise UnsupportedOperationError(
             f"no backend in this runtime can {what} (tried: {', '.join(self.preference)})"
         )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from mcrdl._runtime import Runtime
 from mcrdl._select import Router, Selector
 from mcrdl.backends import Capabilities
 from mcrdl.tuning import Entry, TuningTable
+from mcrdl.tuning._table import FORMAT
 from tests.manual_backend import ManualBackend
 
 MEASURED = {
@@ -89,7 +92,7 @@ def test_auto_routes_every_call_by_global_size():
     small = comm.allreduce(np.ones(4, dtype=np.float32))
     large = comm.allreduce(np.ones(1 << 18, dtype=np.float32))  # 1 MiB
     assert small.lane.backend_name == "mpi" and large.lane.backend_name == "gloo"
-    assert type(comm._choice_cache[(OpKind.ALLREDUCE, DType.FLOAT32, ReduceOp.SUM, None)]) \
+    assert type(comm._choice_cache[(OpKind.ALLREDUCE, DType.FLOAT32, ReduceOp.SUM, None, "cpu")]) \
         is Router
     explicit = comm.allreduce(np.ones(1 << 18, dtype=np.float32), backend="mpi")
     assert explicit.lane.backend_name == "mpi"
@@ -124,3 +127,18 @@ def test_a_table_naming_a_backend_that_is_not_up_falls_back():
     fut = runtime.world.allreduce(np.ones(4, dtype=np.float32))
     assert fut.lane.backend_name == "mpi"
     runtime.engine.fail_all(lambda f: RuntimeError("done"))
+
+
+def test_the_table_is_keyed_by_device():
+    cpu = Entry("allreduce", "float32", 2, 0, None, "mpi")
+    cuda = Entry("allreduce", "float32", 2, 0, None, "nccl", device="cuda")
+    t = TuningTable([cpu, cuda])
+    assert t.lookup("allreduce", "float32", 2, 8) == "mpi"
+    assert t.lookup("allreduce", "float32", 2, 8, device="cuda") == "nccl"
+    assert t.lookup("allreduce", "float32", 2, 8, device="simgpu") is None
+    # an entry on cpu hashes as it did before devices were recorded (older tables stay valid)
+    before = [{k: v for k, v in asdict(cpu).items() if k != "device"}]
+    canon = json.dumps(before, sort_keys=True, separators=(",", ":"))
+    assert TuningTable([cpu]).hash == hashlib.sha256((FORMAT + canon).encode()).hexdigest()
+    assert t.hash != TuningTable([cpu, Entry("allreduce", "float32", 2, 0, None, "nccl",
+                                             device="simgpu")]).hash

@@ -46,9 +46,14 @@ class Capabilities:
         dtypes: element types it carries (moves) in every operation of ``ops``.
         reductions: for each ReduceOp it performs natively, the dtypes it reduces correctly.
             AVG missing here is not a refusal: the engine runs SUM and divides.
-        devices: where its buffers may live (``"cpu"``, ``"cuda"``).
+        devices: the kinds of device its buffers may live on (``"cpu"``, ``"cuda"``; see
+            `mcrdl.backends._device`). A backend that lists a device kind besides ``"cpu"``
+            has a ``device`` (the `Device` of that kind it reaches).
         cancel: whether an issued request can be cancelled.
-        stream_ordered: whether it orders work on a device stream (GPU backends).
+        stream_ordered: whether it orders work on a device stream (GPU backends): each of its
+            groups has a stream (``Backend.stream``), where ``start_*`` queues the operation
+            so that work queued there after the call runs after the operation; the engine
+            then orders it by events, never by host waits.
         in_order: whether a group's issued work runs one operation at a time, in issue order
             (a device stream, a worker thread): nothing behind an operation that never
             finishes ever runs. Stream-ordered backends set it too.
@@ -133,6 +138,9 @@ class Backend(ABC):
 
     name: ClassVar[str]
     capabilities: Capabilities
+    #: The accelerator its device buffers are on (`mcrdl.backends._device.Device`); None for
+    #: a backend of host buffers only.
+    device: Any = None
 
     @classmethod
     @abstractmethod
@@ -248,6 +256,11 @@ class Backend(ABC):
         has finished (``test`` then reports how). Never raises for a slow request.
         """
         return False
+
+    def stream(self, group: Any) -> Any:
+        """The stream ``group``'s operations are queued on (``capabilities.stream_ordered``
+        only; one per group, never the legacy default stream)."""
+        raise NotImplementedError(f"{self.name} does not order work on a stream")
 
     def describe_wait(self, request: Request) -> str | None:
         """What an unfinished request waits for, where the backend knows (e.g. "ranks [2]

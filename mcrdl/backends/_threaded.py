@@ -136,6 +136,7 @@ class ThreadedBackend(Backend):
     def __init__(self, inner: Backend, threads: Threads | None = None) -> None:  # noqa: D107
         self.inner = inner
         self.name = inner.name  # type: ignore[misc]
+        self.device = inner.device
         self._threads = threads or RealThreads()
         self.capabilities: Capabilities = replace(
             inner.capabilities, blocking_calls=False, self_progressing=True, blocking_wait=False,

@@ -15,6 +15,13 @@ real data (numpy) and declares one of four matching semantics:
   (what a framework with one communication stream per device does).
 - ``"blocking"``: a start does not return until every peer has arrived and the operation has
   run (the runtime gives such a backend a thread per lane).
+- ``"stream"``: a GPU backend on the world's simulated device (``mcrdl.testing._device``):
+  buffers on the device only, each group's operations queued on a stream of its own, where an
+  operation occupies the stream until every member's has reached the head of theirs (NCCL's
+  kernels), and the engine orders it by events (``Capabilities.stream_ordered``).
+
+In a world with a device, the other semantics reach its memory too (as a CUDA-aware MPI does):
+the engine then starts their operations only once the device work they depend on has run.
 
 Inputs are read and outputs written when an operation *executes* (when it finishes), not when
 it is issued, so an engine that lets a conflicting operation run in between produces a wrong
@@ -40,13 +47,14 @@ if TYPE_CHECKING:
 
 __all__ = ["SEMANTICS", "SimBackend", "SimGroup", "SimOp", "sim_capabilities"]
 
-SEMANTICS = ("mpi", "windowed", "nccl", "blocking")
+SEMANTICS = ("mpi", "windowed", "nccl", "blocking", "stream")
 
 _NUMERIC = frozenset(DType) - {DType.BFLOAT16}
 
 
-def sim_capabilities(semantics: str) -> Capabilities:
-    """What a simulated backend of ``semantics`` can do (everything numpy can, except AVG)."""
+def sim_capabilities(semantics: str, device: bool = False) -> Capabilities:
+    """What a simulated backend of ``semantics`` can do (everything numpy can, except AVG),
+    ``device``: in a world with a simulated device."""
     ordered = _NUMERIC - {DType.COMPLEX64, DType.COMPLEX128}
     integral = frozenset(d for d in _NUMERIC if not d.is_floating)
     return Capabilities(
@@ -55,8 +63,11 @@ def sim_capabilities(semantics: str) -> Capabilities:
         reductions={ReduceOp.SUM: _NUMERIC, ReduceOp.PROD: _NUMERIC,
                     ReduceOp.MIN: ordered, ReduceOp.MAX: ordered, ReduceOp.BAND: integral,
                     ReduceOp.BOR: integral, ReduceOp.BXOR: integral},
-        stream_ordered=semantics == "nccl",
-        in_order=semantics == "nccl",
+        devices=(frozenset({"simgpu"}) if semantics == "stream"
+                 else frozenset({"cpu", "simgpu"}) if device else frozenset({"cpu"})),
+        stream_ordered=semantics == "stream",
+        cancel=semantics == "stream",
+        in_order=semantics in ("nccl", "stream"),
         blocking_calls=semantics == "blocking",
         issue_window=1 if semantics == "windowed" else 0,
     )
@@ -106,7 +117,7 @@ class SimOp:
     """
 
     __slots__ = ("kind", "gid", "backend", "index", "signature", "members", "args", "ready_at",
-                 "executed", "seqs")
+                 "executed", "seqs", "heads", "on_streams")
 
     def __init__(self, kind: str, gid: str, backend: str, index: int, signature: tuple[Any, ...],
                  members: tuple[int, ...]) -> None:
@@ -120,25 +131,34 @@ class SimOp:
         self.ready_at: int | None = None
         self.executed = False
         self.seqs: dict[int, int] = {}
+        #: Stream semantics: the members whose operation has reached the head of its stream.
+        self.heads: set[int] = set()
+        self.on_streams = False
 
     def missing(self) -> list[int]:
         """World ranks that have not issued this operation yet."""
         return [m for m in self.members if m not in self.args]
+
+    def missing_heads(self) -> list[int]:
+        """World ranks whose stream has not reached this operation yet (stream semantics)."""
+        return [m for m in self.members if m not in self.heads]
 
     def __repr__(self) -> str:
         return f"<SimOp {self.backend}:{self.gid} {self.kind}#{self.index}>"
 
 
 class _Handle:
-    """A member's request: its operation, the member's rank, and whether it is to report a
-    failure once the operation has run (an injected fault)."""
+    """A member's request: its operation, the member's rank, whether it is to report a
+    failure once the operation has run (an injected fault), and the stream it was queued on
+    (stream semantics)."""
 
-    __slots__ = ("op", "rank", "failing")
+    __slots__ = ("op", "rank", "failing", "stream")
 
-    def __init__(self, op: SimOp, rank: int, failing: bool) -> None:
+    def __init__(self, op: SimOp, rank: int, failing: bool, stream: Any = None) -> None:
         self.op = op
         self.rank = rank
         self.failing = failing
+        self.stream = stream
 
 
 def _injected(rank: int) -> BackendError:
@@ -166,7 +186,12 @@ class SimBackend(Backend):
         self.semantics: str = bootstrap.sim_semantics
         if self.semantics not in SEMANTICS:
             raise ValueError(f"sim semantics {self.semantics!r}; choose one of {SEMANTICS}")
-        self.capabilities = sim_capabilities(self.semantics)
+        #: The rank's simulated device, in a world that has one.
+        self.device = world.devices[self.world_rank] if world.devices else None
+        self.capabilities = sim_capabilities(self.semantics, self.device is not None)
+        if self.semantics == "stream" and self.device is None:
+            raise ValueError("sim semantics 'stream' needs a world with a device")
+        self._streams: dict[str, Any] = {}
         self._world_group = SimGroup("world", tuple(range(bootstrap.size)), bootstrap.rank,
                                      bootstrap.size)
 
@@ -181,13 +206,20 @@ class SimBackend(Backend):
     def free_group(self, group: SimGroup) -> None:
         pass
 
+    def stream(self, group: SimGroup) -> Any:
+        """The group's stream on the rank's device (stream semantics)."""
+        stream = self._streams.get(group.gid)
+        if stream is None:
+            stream = self._streams[group.gid] = self.device.new_stream()
+        return stream
+
     # -- operations ----------------------------------------------------------------------
 
     def _collective(self, group: SimGroup, kind: str, signature: tuple[Any, ...],
                     args: tuple[Any, ...]) -> Request:
         fault = self._fault(args)
         op = self.sim.arrive(self, group, kind, signature, args)
-        return self._started(op, fault)
+        return self._started(op, fault, group)
 
     def _fault(self, args: tuple[Any, ...]) -> str | None:
         """The fault injected on this operation's buffers (``"error"``), if any; an
@@ -197,7 +229,12 @@ class SimBackend(Backend):
             raise RuntimeError(f"sim: a start failure injected on rank {self.world_rank}")
         return fault
 
-    def _started(self, op: SimOp, fault: str | None) -> Request:
+    def _started(self, op: SimOp, fault: str | None, group: SimGroup) -> Request:
+        if self.semantics == "stream":  # queued on the group's stream; it runs from there
+            op.on_streams = True
+            stream = self.stream(group)
+            stream.items.append(("coll", op))
+            return _Handle(op, self.world_rank, fault == "error", stream)
         if self.semantics == "blocking":
             self.sim.block_until_executed(op, self.world_rank)
             if fault == "error":
@@ -212,12 +249,12 @@ class SimBackend(Backend):
     def start_send(self, group: SimGroup, buf: Buffer, dst: int, tag: int) -> Request:
         fault = self._fault((buf,))
         op = self.sim.arrive_p2p(self, group, "send", group.members[dst], tag, buf)
-        return self._started(op, fault)
+        return self._started(op, fault, group)
 
     def start_recv(self, group: SimGroup, buf: Buffer, src: int, tag: int) -> Request:
         fault = self._fault((buf,))
         op = self.sim.arrive_p2p(self, group, "recv", group.members[src], tag, buf)
-        return self._started(op, fault)
+        return self._started(op, fault, group)
 
     def start_broadcast(self, group: SimGroup, buf: Buffer, root: int) -> Request:
         return self._collective(group, "broadcast", (root, *self._sig(buf)), (buf, root))
@@ -258,9 +295,20 @@ class SimBackend(Backend):
         sim = self.sim
         out: list[tuple[int, BaseException | None]] = []
         for i, handle in enumerate(requests):
-            if sim.try_execute(handle.op):
+            if handle.op.executed if handle.op.on_streams else sim.try_execute(handle.op):
                 out.append((i, _injected(handle.rank) if handle.failing else None))
         return out
+
+    def cancel(self, request: Request) -> bool:
+        """Stream semantics: take the operation off its stream unless it has run (NCCL's
+        abort ends the kernels of a communicator whose peers will not come)."""
+        op = request.op
+        if request.stream is None or op.executed:
+            return False
+        request.stream.items.remove(("coll", op))
+        op.heads.discard(self.world_rank)
+        self.sim.note_progress()
+        return True
 
     def describe_wait(self, request: Request) -> str | None:
         """Which peers the operation still waits for (the timeout message names them)."""

@@ -157,11 +157,12 @@ class PollPolicy:
         return min(self.sleep_max, max(waited, 1e-4) * self.sleep_fraction)
 
 
-def wait(engine: Engine, fut: CommFuture, timeout: float | None) -> None:
-    """Poll from the calling thread until ``fut`` is done or ``timeout`` seconds passed."""
+def wait(engine: Engine, fut: CommFuture, timeout: float | None, until: int = DONE) -> None:
+    """Poll from the calling thread until ``fut`` is done (or, with ``until=ISSUED``, issued)
+    or ``timeout`` seconds passed."""
     poll = engine.poll_once
     poll()
-    if fut._state >= DONE:
+    if fut._state >= until:
         engine.last_active = engine._clock()
         return
     if engine._closed:
@@ -178,7 +179,7 @@ def wait(engine: Engine, fut: CommFuture, timeout: float | None) -> None:
         patience = policy.patience
         block_at = policy.block_after(fut.nbytes)
         idle = 0
-        while fut._state < DONE:
+        while fut._state < until:
             if poll():
                 idle = 0
                 spin = policy.spin_polls if engine.spin_ok() else 0
@@ -188,7 +189,7 @@ def wait(engine: Engine, fut: CommFuture, timeout: float | None) -> None:
                 continue
             if engine.idle_hook is not None:
                 engine.check_deadlines(engine._clock())
-                if fut._state < DONE:
+                if fut._state < until:
                     engine.idle_hook()
                 continue
             now = _clock()

@@ -52,7 +52,9 @@ class CommFuture:
         moves, finish: run on success before it resolves (an emulated AVG's division),
         hold: what else must stay alive while the backend may use it (the caller's objects it
         reads or writes by address, besides the result), name: the name its members match
-        it by (``name=``; None for an operation matched by its position).
+        it by (``name=``; None for an operation matched by its position), device: the
+        `Device` its buffers are on (None: host memory), whose caller's current stream the
+        engine records an event on at submission.
 
     Invariants:
     - state moves PENDING -> ISSUED -> {DONE, FAILED}, or PENDING -> {FAILED, CANCELLED};
@@ -63,13 +65,21 @@ class CommFuture:
       with the memory (past the end, for an issued operation the engine gave up on).
     - ``_deps_left`` counts unfinished dependencies; the engine issues the operation only when
       it is 0 and the operation is the oldest unissued one of its lane.
-    - ``_dependants`` lists the futures that counted this one in their ``_deps_left``.
+    - ``_dependants`` lists the futures that counted this one in their ``_deps_left`` and
+      wait for its end; ``_on_stream`` those that went on once it was queued on its stream,
+      their streams waiting on ``event`` (its failure fails them too).
     - ``_route`` is set while an operation whose lane is chosen late (``Engine.submit``'s
       ``route``) waits for its dependencies, and while a named operation waits for its
       members to agree on its place (the communicator's `Names`, ``Engine.submit``'s
       ``named``).
     - ``index`` is its position among its lane's collectives (or its stream's operations),
       from 1, the same on every member: the peers match by it (set at submission).
+    - ``waits`` (None, or a list) holds the device events it must not run before: the
+      caller's stream at submission, and the ends of the stream-ordered operations it
+      depends on that were queued when it was released. On a stream lane its stream waits
+      on them; on a host lane it is issued once the engine has seen them reached.
+    - ``event`` is set when it is issued on a stream lane: reached on that stream once the
+      operation has run (what dependants on the device and ``wait_stream`` wait on).
     """
 
     __slots__ = (
@@ -86,6 +96,7 @@ class CommFuture:
         "finish",
         "hold",
         "name",
+        "device",
         # the engine's
         "_engine",
         "_state",
@@ -94,12 +105,15 @@ class CommFuture:
         "_callbacks",
         "_deps_left",
         "_dependants",
+        "_on_stream",
         "_request",
         "_route",
         "index",
         "t_submit",
         "t_issue",
         "t_done",
+        "waits",
+        "event",
     )
 
     # Set when they come to exist: by submit, at issue, at the end.
@@ -137,12 +151,16 @@ class CommFuture:
         self.finish = finish
         self.hold = hold
         self.name: str | None = None
+        self.device: Any = None
+        self.waits: list[Any] | None = None
+        self.event: Any = None
         self._state = PENDING
         self._result = result
         # () until the first callback arrives (no list per operation), None once terminal.
         self._callbacks: list[Callable[[CommFuture], object]] | tuple[()] | None = ()
         self._deps_left = 0
         self._dependants: list[CommFuture] | None = None
+        self._on_stream: list[CommFuture] | None = None
         self._route: Any = None
         self.t_issue = 0.0
 
@@ -228,6 +246,31 @@ class CommFuture:
             if not engine.spin_lone(self):
                 _wait(engine, self, timeout)
         return self.result()
+
+    def wait_stream(self, stream: Any = None) -> None:
+        """Make ``stream`` (default: the caller's current stream on the operation's device)
+        wait for the operation, without blocking the host where the device allows it.
+
+        Work queued on that stream afterwards sees the operation's result. The host waits only
+        until the operation has been queued on its lane's stream; for an operation that runs on
+        the host (MPI, gloo), or one with a finishing step on the host (an emulated AVG), it
+        waits for the operation itself, as ``wait()`` does. For an operation on host memory
+        there is no stream: this is ``wait()`` without the result.
+
+        Raises:
+            Exception: whatever failed the operation (or failed it before it was queued).
+        """
+        engine = self._engine
+        lane = self.lane
+        if lane.stream is None or self.finish is not None or self._state >= DONE:
+            self.wait()
+            return
+        if self._state < ISSUED:
+            _wait(engine, self, None, ISSUED)
+        if self._state > DONE:
+            self.result()  # raises its error
+        device = lane.device
+        device.wait(device.current_stream() if stream is None else stream, self.event)
 
     def __await__(self) -> Generator[Any, None, Any]:
         # Cancelling the awaiting task stops the waiting, never the operation: its peers

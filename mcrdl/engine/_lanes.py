@@ -99,6 +99,8 @@ class Lane:
     - ``issued`` counts the lane's collectives in flight (issued, not settled).
     - ``history`` holds records of the last ``HISTORY`` operations that finished on this lane.
     - ``comm`` is the communicator the lane belongs to; ``comm.lanes`` holds it.
+    - ``stream`` is None, or (a stream-ordered backend) the stream of ``group``, where every
+      operation of the lane runs in issue order (DESIGN.md rule 6: one stream per lane).
     """
 
     __slots__ = (
@@ -121,6 +123,8 @@ class Lane:
         "named",
         "window",
         "issued",
+        "stream",
+        "device",
     )
 
     def __init__(self, backend: Backend, group: Any, comm: CommState, name: str,
@@ -159,6 +163,13 @@ class Lane:
         #: issue_window; no limit: a number never reached), and how many are.
         self.window: int = backend.capabilities.issue_window or 1 << 62
         self.issued = 0
+        #: For a stream-ordered backend, the stream its operations are queued on and the
+        #: `Device` it is on (operations on it are ordered by events: ``Engine``); else None.
+        self.stream: Any = None
+        self.device: Any = None
+        if backend.capabilities.stream_ordered:
+            self.stream = backend.stream(group)
+            self.device = backend.device
 
     def records(self) -> list[OpRecord]:
         """The flight record: the last finished operations of this lane, oldest first."""

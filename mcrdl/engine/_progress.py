@@ -14,6 +14,16 @@ dependency, cancellation, a timeout, an abort, or its communicator breaking. ``_
 also where DESIGN.md's rule 7 is applied: an operation that will not run as issued breaks its
 communicator (see `CommState`).
 
+Device work (DESIGN.md rule 6) is ordered by events, never by a host wait in the poll loop. An
+operation on device buffers carries the event of the caller's current stream at submission
+(``fut.waits``). On a lane with a stream (a stream-ordered backend), the lane's stream waits
+on that event and the operation is queued there; the event recorded after it (``fut.event``)
+marks its end. A dependency between two such operations on one device is met when the first
+is *queued*: the second's stream waits on the first's event (``_enqueued``). Every other
+dependency is met when the first has finished, as seen by the host; and an operation of a host
+lane (MPI, gloo) on device buffers is issued only once the engine has seen its events reached
+(its *gate*, queried as it polls).
+
 Issued operations the engine gives up on (timed out, aborted, their communicator broken) while
 their backend cannot cancel them become *zombies*: their future fails, but their request, the
 memory they use and their byte ranges stay with the engine until the backend reports them
@@ -254,6 +264,8 @@ class Engine:
         #: Those of communicators this rank has not made yet (a peer may break one while
         #: this rank is still making it): applied when it is made.
         self._told_early: dict[str, list[tuple[str, int, Stops]]] = {}
+        #: Host-lane operations on device buffers whose events are not yet reached (gates).
+        self._gated: list[CommFuture] = []
         #: Named operations' agreements with a round to post later (`Names.due`).
         self._deferred: dict[Names, None] = {}
         #: This rank's stops, to tell the peers of once the lock is released.
@@ -392,6 +404,8 @@ class Engine:
         if profiler is not None and profiler._is_profiler_enabled:
             _profile(profiler, fut)
         fut.t_submit = self.last_active = now = self._clock()
+        if fut.device is not None:
+            self._caller_event(fut)  # (in the caller's thread: its current stream)
         lane = fut.lane
         lock = self._lock
         lock.acquire()
@@ -429,7 +443,8 @@ class Engine:
             if lane.comm.broken is not None:
                 self._work.append((fut, self._broken_error(fut)))
             elif (not deps and not after and not lane.pending and route is None
-                  and (lane.issued < lane.window or stream is not None)):
+                  and (lane.issued < lane.window or stream is not None)
+                  and (fut.waits is None or lane.stream is not None)):
                 self._issue(fut, now)
                 self._unindexed = fut
             else:
@@ -455,15 +470,22 @@ class Engine:
             if deps is None:
                 return  # a dependency failed already: fut fails with it (queued in _work)
         routed = fut._route is not None
-        if (not deps and not routed and not fut.lane.pending
+        if deps and fut.lane.stream is not None and not routed:
+            deps = self._on_device(fut, deps)
+        # A host lane (or a lane not chosen yet) waits on the host for its device events.
+        gated = fut.waits is not None and (fut.lane.stream is None or type(fut._route) is tuple)
+        if (not deps and not routed and not gated and not fut.lane.pending
                 and (fut.lane.issued < fut.lane.window or fut.stream is not None)):
             self._issue(fut, self._clock())
             self._unindexed = fut
             return
         if fut.reads or fut.writes:
             self._hazards.add(fut, fut.reads, fut.writes)
+        if gated:
+            fut._deps_left = 1
+            self._gated.append(fut)
         if deps:
-            fut._deps_left = len(deps)
+            fut._deps_left += len(deps)
             if self.log is not None:
                 self.log_edges.extend((d.lane, d.seq, fut.lane, fut.seq) for d in deps
                                       if d.lane is not fut.lane)
@@ -477,7 +499,7 @@ class Engine:
             if type(fut._route) is tuple:
                 for lane in fut._route[0]:
                     lane.pending.append(fut)
-            if not deps:
+            if not deps and not gated:
                 self._route(fut)
         else:
             fut.lane.pending.append(fut)
@@ -527,10 +549,86 @@ class Engine:
             if self._zombie_done(dep):
                 del deps[dep]
 
+    # -- device work (lock held, except _caller_event) -----------------------------------
+
+    def _caller_event(self, fut: CommFuture) -> None:
+        """``fut`` runs after the work the caller queued on its current stream so far."""
+        device = fut.device
+        fut.waits = [device.record(device.current_stream())]
+
+    @staticmethod
+    def _stream_edge(fut: CommFuture, dep: CommFuture) -> bool:
+        """Whether ``fut`` (on a lane with a stream) may wait for ``dep`` on its stream,
+        once ``dep`` is queued, instead of for ``dep``'s end on the host: ``dep`` runs on a
+        stream of the same device and all of it runs there (no finishing step on the host)."""
+        return (dep.lane.stream is not None and dep.lane.device is fut.lane.device
+                and dep.finish is None)
+
+    def _edge_event(self, fut: CommFuture, dep: CommFuture) -> None:
+        """``fut``'s stream is to wait for the queued ``dep``'s end."""
+        if fut.waits is None:
+            fut.waits = [dep.event]
+        else:
+            fut.waits.append(dep.event)
+        dep_list = dep._on_stream
+        if dep_list is None:
+            dep._on_stream = [fut]
+        else:
+            dep_list.append(fut)
+
+    def _on_device(self, fut: CommFuture, deps: dict[CommFuture, None]
+                   ) -> dict[CommFuture, None]:
+        """``deps`` without those ``fut``'s stream can wait for already (queued on a stream
+        of its device): their events join ``fut.waits``."""
+        kept: dict[CommFuture, None] = {}
+        for dep in deps:
+            if dep._state == ISSUED and self._stream_edge(fut, dep):
+                self._edge_event(fut, dep)
+            else:
+                kept[dep] = None
+        return kept
+
+    def _enqueued(self, fut: CommFuture) -> None:
+        """``fut`` was queued on its lane's stream: its dependants that can wait for it on
+        their own streams (`_stream_edge`) go on, their streams waiting on ``fut.event``."""
+        keep = []
+        for dep in fut._dependants:  # type: ignore[union-attr]
+            if (dep._state == PENDING and dep._route is None and dep.lane.stream is not None
+                    and self._stream_edge(dep, fut)):
+                self._edge_event(dep, fut)
+                self._dep_done(dep)
+            else:
+                keep.append(dep)
+        fut._dependants = keep or None
+
+    def _open_gates(self) -> bool:
+        """Let the gated operations whose device events have been reached go on; True if
+        any did."""
+        gated, self._gated = self._gated, []
+        opened = False
+        for fut in gated:
+            if fut._state != PENDING:
+                continue
+            device = fut.device
+            if all(device.query(event) for event in fut.waits):  # type: ignore[union-attr]
+                fut.waits = None
+                opened = True
+                self._dep_done(fut)
+            else:
+                self._gated.append(fut)
+        self._run_work()
+        return opened
+
     # -- issuing and settling (lock held) ------------------------------------------------
 
     def _issue(self, fut: CommFuture, now: float) -> None:
-        """Start ``fut`` (at ``now``); a start that fails fails it."""
+        """Start ``fut`` (at ``now``); a start that fails fails it. On a lane with a stream,
+        the stream first waits on ``fut.waits``, and ``fut.event`` marks its end there."""
+        stream = fut.lane.stream
+        if stream is not None and fut.waits is not None:
+            device = fut.lane.device
+            for event in fut.waits:
+                device.wait(stream, event)
         try:
             req = fut.start(*fut.args)  # type: ignore[misc]  # both set until issued
         except Exception as exc:  # a backend refusing at start fails the future, not the process
@@ -542,6 +640,9 @@ class Engine:
         fut.start = fut.args = None  # what stays alive in flight is hold
         fut.t_issue = now
         fut._state = ISSUED
+        if stream is not None:
+            fut.waits = None
+            fut.event = fut.lane.device.record(stream)
         if fut.stream is None:
             fut.lane.issued += 1
         if req is None:  # finished during the start call
@@ -570,6 +671,8 @@ class Engine:
                 # the communicator) instead of issuing what follows in its place.
                 return
             pending.popleft()
+            if head._dependants is not None and head.event is not None:
+                self._enqueued(head)
 
     def _route(self, fut: CommFuture) -> None:
         """``fut``'s dependencies are met: choose its lane, and let the others go on; or, for
@@ -630,7 +733,7 @@ class Engine:
                 lane.issued -= 1
             if lane.pending:  # its place in the lane's window is free
                 self._pump(lane)
-            fut.hold = fut._request = None  # release buffers and scratch space now
+            fut.hold = fut._request = fut._on_stream = None  # release buffers now
             callbacks = fut._callbacks
             fut._callbacks = None
             if callbacks:
@@ -692,6 +795,8 @@ class Engine:
         if error is not None:
             if fut._dependants:  # queued first: their own error says more than a break
                 self._release(fut, error)
+            if fut._on_stream:
+                self._fail_on_stream(fut, error)
             # Break before the lane moves on: issuing the operation behind this one first
             # would let the peers match it in this one's place (rule 7 of DESIGN.md).
             if (lane.size > 1
@@ -733,14 +838,7 @@ class Engine:
         fut._dependants = None
         if error is None:
             for dep in dependants:  # type: ignore[union-attr]
-                dep._deps_left -= 1
-                if dep._deps_left == 0 and dep._state == PENDING:
-                    if dep._route is not None:
-                        self._route(dep)
-                        continue
-                    dlane = dep.lane
-                    if dlane.pending and dlane.pending[0] is dep:
-                        self._pump(dlane)
+                self._dep_done(dep)
             return
         # Debug mode's check of an operation's fingerprint: its verdict (a desync, or the
         # peers not arriving in time) is the operation's own.
@@ -757,6 +855,38 @@ class Engine:
                         f"{error}"
                     )
                 self._work.append((dep, failure))
+
+    def _fail_on_stream(self, fut: CommFuture, error: BaseException) -> None:
+        """``fut`` failed after its dependants on the device went on behind it on their
+        streams (`_enqueued`): they read or overwrite what it did not produce, so they fail
+        too (given up and their communicator broken, if issued)."""
+        dependants, fut._on_stream = fut._on_stream, None
+        for dep in dependants:  # type: ignore[union-attr]
+            if dep._state >= DONE or (dep._state == ISSUED and dep not in dep.lane.track):
+                continue  # it ended, or was given up already (its settle is queued)
+            failure = DependencyFailedError(
+                f"{dep.kind}#{dep.seq} on {dep.lane.backend_name} waited on its stream for "
+                f"{fut.kind}#{fut.seq}, which {STATE_NAMES[fut._state].lower()}: {error}")
+            if dep._state == ISSUED:
+                # Issued, it reaches its peers with what fut did not produce: it must not
+                # run as they expect, so it breaks its communicator (rule 7), as a dependant
+                # still pending would by failing.
+                self._give_up(dep, failure)
+                if dep.lane.size > 1:
+                    self._break(dep.lane.comm, f"on rank {dep.lane.rank}, {failure}", dep)
+            else:
+                self._work.append((dep, failure))
+
+    def _dep_done(self, dep: CommFuture) -> None:
+        """One of ``dep``'s dependencies is met: issue (or route) it if it was the last."""
+        dep._deps_left -= 1
+        if dep._deps_left == 0 and dep._state == PENDING:
+            if dep._route is not None:
+                self._route(dep)
+                return
+            dlane = dep.lane
+            if dlane.pending and dlane.pending[0] is dep:
+                self._pump(dlane)
 
     # -- breaking a communicator (lock held) ---------------------------------------------
 
@@ -927,6 +1057,8 @@ class Engine:
             progressed = False
             if self._deferred:
                 self._post_deferred()
+            if self._gated and self._open_gates():
+                progressed = True
             for track in self._track_list:
                 if not track.live:
                     continue

@@ -115,6 +115,10 @@ class Track:
             first = 0
         self.first = first
 
+    def __contains__(self, fut: CommFuture) -> bool:
+        """Whether ``fut`` is live here (O(n): for failure paths only)."""
+        return fut in self.futs[self.first:]
+
     def remove(self, fut: CommFuture) -> Any:
         """Forget ``fut`` (cancelled or timed out); returns its request."""
         i = self.futs.index(fut, self.first)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._device import SimArray, SimDevice
 from ._generate import programs
 from ._programs import DONE, FAULTS, KINDS, Fault, Program, Region, Step, run_program
 from ._record import Recording, record, replay
@@ -32,6 +33,7 @@ from ._reference import reference, reference_with_faults
 from ._world import SimAborted, SimDeadlock, SimMismatch, SimWorld
 
 __all__ = ["FAULTS", "FAULT_ERRORS", "KINDS", "Fault", "Program", "Recording", "Region",
+           "SimArray", "SimDevice",
            "SimAborted", "SimDeadlock", "SimMismatch", "SimWorld", "Step", "check_program",
            "check_outcomes", "check_slots", "programs", "record", "reference", "reference_with_faults", "replay",
            "run_program"]
@@ -100,6 +102,8 @@ def check_program(program: Program, *, seed: int = 0, backends: dict[str, str] |
     sems = backends or {name: "mpi" for name in program.backends}
     if program.faults:
         world_args.setdefault("timeout", FAULT_TIMEOUT)
+    if program.device:
+        world_args.setdefault("device", True)
     world = SimWorld(program.size, sems, seed=seed, **world_args)
     outcomes: list[dict[int, str]] | None = (
         [{} for _ in range(program.size)] if program.faults else None)

@@ -35,6 +35,7 @@ def programs(
     min_faults: int = 0,
     faults: Sequence[str] = FAULTS,
     named: bool = False,
+    device: bool = False,
 ) -> Any:
     """A hypothesis strategy of well-formed `Program`s (see ``_programs``).
 
@@ -46,6 +47,8 @@ def programs(
             step, on any rank that takes part in it.
         named: group runs of independent collectives into concurrent blocks of named
             operations, each rank submitting each block in an order of its own.
+        device: slots on each rank's simulated device, and ``"kernel"`` steps among the
+            others (a simulated world with ``device=True`` runs them).
     """
     from hypothesis import strategies as st
 
@@ -73,6 +76,13 @@ def programs(
         choices: list[str | None] = [*backends, *([None] if auto else [])]
         steps: list[Step] = []
         for i in range(draw(st.integers(1, max_steps))):
+            if device and draw(st.integers(0, 3)) == 0:
+                slot = draw(st.integers(0, nslots - 1))
+                length = draw(st.integers(1, slot_length // 2))
+                start = draw(st.integers(0, slot_length - length))
+                steps.append(Step("kernel", (0, 0), None, Region(slot, start, length),
+                                  tag=draw(st.integers(0, 3))))
+                continue
             comm = draw(st.sampled_from(groups))
             n = len(prog.members(comm))
             kind = draw(st.sampled_from([k for k in kinds if k != "sendrecv" or n >= 2]))
@@ -138,7 +148,7 @@ def programs(
             drawn.append(Fault(at, draw(st.sampled_from(who)), draw(st.sampled_from(faults))))
         return Program(size, tuple(splits), slots, tuple(steps), tuple(delays), tuple(mids),
                        tuple(waits), tuple(backends), tuple(drawn), tuple(blocks),
-                       tuple(orders))
+                       tuple(orders), device)
 
     return build()
 
@@ -153,7 +163,7 @@ def _blocks(draw: Any, steps: list[Step]) -> list[tuple[int, ...]]:
     current: list[int] = []
     for i, step in enumerate(steps):
         how = draw(st.sampled_from(["join", "join", "new", "out"]))
-        eligible = step.kind != "sendrecv" and not (
+        eligible = step.kind not in ("sendrecv", "kernel") and not (
             step.kind == "alltoallv" and step.exchange and step.backend is None)
         fits = (how == "join" and eligible and not set(step.after) & set(current)
                 and not any(_overlap(step, steps[j]) for j in current))

@@ -13,7 +13,12 @@ rule 8 of DESIGN.md) that touch disjoint bytes and do not depend on one another,
 asyncio tasks would submit them; each rank submits a block in an order of its own.
 
 Buffers are 1-D numpy "slots" per rank; a step reads and writes *regions* of them, so steps
-share bytes (and hazards across backends arise) whenever their regions overlap.
+share bytes (and hazards across backends arise) whenever their regions overlap. In a *device*
+program the slots live on each rank's simulated device (`mcrdl.testing._device`) and
+``"kernel"`` steps are the rank's own compute on its current stream (``x = 2x - tag`` on a
+region); a kernel first makes the stream wait (``wait_stream``) for the rank's earlier
+operations on bytes it touches, as correct GPU code does, and operations submitted after it
+must see its result without any host synchronization.
 
 `run_program` runs a program on one rank's communicator (simulated or real); ``_reference``
 computes every rank's final slots by executing the steps one after another with numpy (and,
@@ -35,7 +40,8 @@ from .._types import ReduceOp
 __all__ = ["FAULTS", "KINDS", "Fault", "Program", "Region", "Step", "initial_slots",
            "run_program"]
 
-#: Step kinds: the communicator's operations, with send/recv as one "sendrecv" step.
+#: Step kinds: the communicator's operations, with send/recv as one "sendrecv" step (and, in
+#: a device program, "kernel").
 KINDS = ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter",
          "reduce_scatter", "alltoall", "alltoallv", "sendrecv", "barrier")
 #: Fault kinds (see `Fault`); the last two need a simulated world to inject them.
@@ -108,6 +114,7 @@ class Program:
     faults: tuple[Fault, ...] = ()
     blocks: tuple[tuple[int, ...], ...] = ()
     orders: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    device: bool = False
 
     @property
     def named(self) -> dict[int, str]:
@@ -176,6 +183,10 @@ def run_program(program: Program, comm: Any, *, pause: Callable[[int], None] | N
     orders = {block[0]: program.orders[rank][b] if program.orders else block
               for b, block in enumerate(program.blocks)}
     slots = initial_slots(program, rank)
+    device = None
+    if program.device:  # (a simulated device: its kernels are Python functions)
+        device = next(iter(comm.runtime.devices.values()))
+        slots = [device.array(s) for s in slots]
     futs: dict[int, Any] = {}
     delays = program.delays[rank] if program.delays else ()
     mid = program.mid_waits[rank] if program.mid_waits else frozenset()
@@ -186,6 +197,9 @@ def run_program(program: Program, comm: Any, *, pause: Callable[[int], None] | N
         step = program.steps[i]
         if delays and delays[i]:
             pause(delays[i])
+        if step.kind == "kernel":
+            _kernel(program, step, device, slots, futs, outcomes is not None, doomed)
+            continue
         after = [futs[j] for j in step.after if j in futs]
         futs[i] = _faulty(faults.get(i), program, step, comms[step.comm], slots, after, solo,
                           inject, doomed, names.get(i))
@@ -193,7 +207,11 @@ def run_program(program: Program, comm: Any, *, pause: Callable[[int], None] | N
             _wait(futs[i], outcomes, doomed)  # the other "tasks": never in asyncio)
     order = program.waits[rank] if program.waits else tuple(futs)
     for i in (*order, *futs):  # then anything the order left out
-        _wait(futs[i], outcomes, doomed)
+        if i in futs:  # (kernels have no future)
+            _wait(futs[i], outcomes, doomed)
+    if device is not None:
+        device.synchronize()  # the kernels queued last
+        slots = [np.array(s) for s in slots]
     if outcomes is not None:
         for i, fut in futs.items():
             error = fut.exception()
@@ -206,20 +224,52 @@ def run_program(program: Program, comm: Any, *, pause: Callable[[int], None] | N
     return slots
 
 
+def _kernel(program: Program, step: Step, device: Any, slots: list[np.ndarray],
+            futs: dict[int, Any], faults: bool, doomed: list[Any]) -> None:
+    """Queue the kernel ``step`` on the current stream, after making the stream wait for the
+    operations submitted so far that touch its region (``wait_stream``: no host wait).
+    ``faults``: an operation that failed is passed over (its step's outcome says so), and
+    the operations the faults doomed are cancelled first, as at any wait (`_wait`)."""
+    _cancel(doomed)
+    region = step.buf
+    if region is None or device is None:
+        raise ValueError(f"a kernel step runs on a device program's region: {step}")
+    for j, fut in futs.items():
+        other = program.steps[j]
+        if any(r is not None and r.slot == region.slot and r.start < region.start + region.length
+               and region.start < r.start + r.length for r in (other.buf, other.out)):
+            try:
+                fut.wait_stream()
+            except Exception:
+                if not faults:
+                    raise
+    view = region.view(slots)
+    tag = step.tag
+
+    def kernel() -> None:
+        view[:] = view * 2 - tag
+
+    device.launch(kernel)
+
+
 def _wait(fut: Any, outcomes: dict[int, str] | None, doomed: list[Any]) -> None:
     """Wait for ``fut``, first cancelling the operations the faults doomed (late, so that
     later operations are queued behind them by then)."""
+    _cancel(doomed)
+    try:
+        fut.wait()
+    except Exception:
+        if outcomes is None:
+            raise
+
+
+def _cancel(doomed: list[Any]) -> None:
     for victim in doomed:
         try:
             victim.cancel()
         except InvalidStateError:
             pass  # issued already (a background poll finished its gate first): no fault
     doomed.clear()
-    try:
-        fut.wait()
-    except Exception:
-        if outcomes is None:
-            raise
 
 
 def _faulty(kind: str | None, program: Program, step: Step, comm: Any,

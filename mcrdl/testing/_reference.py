@@ -53,7 +53,7 @@ def _run(program: Program, outcomes: Outcomes | None
         reads, writes = _places(step, members)
         inputs_ok = all(region.view(defined[r], n).all() for r, region, n in reads)
         for r, region, n in writes:
-            ok = inputs_ok and outcomes[r].get(i) == DONE
+            ok = inputs_ok and (step.kind == "kernel" or outcomes[r].get(i) == DONE)
             region.view(defined[r], n)[:] = ok
     return state, defined
 
@@ -68,6 +68,8 @@ def _places(step: Step, members: tuple[int, ...]) -> tuple[list[Place], list[Pla
     root = members[step.root]
     if kind == "sendrecv":
         return [(root, buf, buf.length)], [(members[step.peer], buf, buf.length)]
+    if kind == "kernel":
+        return [(m, buf, buf.length) for m in members], [(m, buf, buf.length) for m in members]
     if kind in ("allreduce", "reduce", "broadcast"):  # in place
         sources = [root] if kind == "broadcast" else list(members)
         targets = {"allreduce": list(members), "reduce": [root],
@@ -99,7 +101,10 @@ def _execute(step: Step, members: tuple[int, ...], state: list[list[np.ndarray]]
 
     if kind == "barrier":
         return
-    if kind == "sendrecv":
+    if kind == "kernel":  # every rank's own compute on its region
+        for m in members:
+            buf(m)[:] = buf(m) * 2 - step.tag
+    elif kind == "sendrecv":
         buf(members[step.peer])[:] = buf(members[step.root])
     elif kind in ("allreduce", "reduce"):
         red = _native(step.op)

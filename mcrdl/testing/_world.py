@@ -28,6 +28,7 @@ from .._runtime import Runtime
 from ..backends._threaded import Threads
 from ..backends.sim import SimBackend, SimGroup, SimOp, reduce_stack
 from ..engine import Engine, PollPolicy, flight_record
+from ._device import SimDevice
 
 if TYPE_CHECKING:
     from .._communicator import Communicator
@@ -149,6 +150,8 @@ class SimWorld:
             factory takes `Engine`'s keyword arguments.
         wrap_blocking: False calls blocking backends inline (a broken policy, for the tests).
         debug: check every collective's fingerprint (as ``MCRDL_DEBUG=1`` does).
+        device: give every rank a simulated device (`mcrdl.testing._device`), which every
+            backend reaches; implied by a backend of ``"stream"`` semantics.
         timeout: the per-operation timeout in simulated seconds (a scheduler step is
             ``STEP_SECONDS``); None: none.
     """
@@ -167,6 +170,7 @@ class SimWorld:
         max_steps: int = 200_000,
         debug: bool = False,
         timeout: float | None = None,
+        device: bool = False,
     ) -> None:
         if not 1 <= size <= 64:
             raise ValueError(f"size={size}: a simulated world has 1 to 64 ranks")
@@ -194,6 +198,10 @@ class SimWorld:
         self._streams: dict[tuple[Any, ...], list[SimOp]] = {}
         self._pending: list[SimOp] = []
         self._faults: dict[int, tuple[str, Any]] = {}  # id(buffer object) -> (kind, object)
+        #: Each rank's simulated device (none: a world of host memory only).
+        self.devices: list[SimDevice] = (
+            [SimDevice(self, rank) for rank in range(size)]
+            if device or "stream" in self.backends.values() else [])
         threads = _SimThreads(self)
         self.runtimes: list[Runtime] = []
         for rank in range(size):
@@ -299,6 +307,9 @@ class SimWorld:
                 alive = [t for t in self._threads if not t.finished]
                 t = alive[int(self.rng.integers(len(alive)))]
                 before = self.progress
+                for dev in self.devices:  # the devices run between the threads' turns
+                    if dev.advance():
+                        self.progress += 1
                 self._resume(t)
                 asleep = t.wake_at > self.step  # it is sleeping: no chance to act yet
                 self.step += 1
@@ -317,8 +328,13 @@ class SimWorld:
                 if not awake <= quiet:
                     continue
                 # Every awake thread had its turn and nothing moved: let time pass to the
-                # next due operation or waking thread, or report the deadlock.
+                # next due operation or waking thread, or report the deadlock (after a last
+                # turn of the devices: work queued since their last turn may run now).
+                if [dev for dev in self.devices if dev.advance()]:
+                    quiet.clear()
+                    continue
                 due = [op.ready_at for op in self._pending if op.ready_at is not None]
+                due += [d for dev in self.devices for d in dev.due()]
                 due += self._deadlines()
                 if any(d <= self.step for d in due) and retried != self.step:
                     retried = self.step  # due now, but every poll came before: once more
@@ -371,6 +387,8 @@ class SimWorld:
         for rank, runtime in enumerate(self.runtimes):
             lines.append(f"rank {rank}:")
             lines.extend("  " + line for line in flight_record(runtime.engine).splitlines()[1:])
+            if self.devices:
+                lines.extend("  " + line for line in self.devices[rank].describe())
         stuck = [op for op in self._pending if not op.executed]
         if stuck:
             lines.append("operations not finished:")
@@ -476,6 +494,8 @@ class SimWorld:
         if len(op.args) < len(op.members) or self.mismatch is not None:
             return False  # (a mismatched world stops moving data: run() reports it)
         if op.ready_at is None:
+            if op.on_streams and len(op.heads) < len(op.members):
+                return False  # a member's stream has not reached it yet
             if not self._stream_clear(op):
                 return False
             op.ready_at = self.step + int(self.rng.integers(self.max_delay + 1))

@@ -33,7 +33,9 @@ class Entry:
 
     ``max_bytes`` is exclusive; None means no upper bound. ``latency_us`` maps every measured
     candidate to its median latency at ``measured_bytes`` (the size that decided the range);
-    ``margin`` is the runner-up's latency over the winner's (1.0: a tie).
+    ``margin`` is the runner-up's latency over the winner's (1.0: a tie). ``device`` is the
+    kind of device the buffers were on (``"cpu"``, ``"cuda"``): a choice measured on one
+    kind says nothing about another.
     """
 
     op: str
@@ -45,6 +47,7 @@ class Entry:
     latency_us: Mapping[str, float] = field(default_factory=dict)
     margin: float = 1.0
     measured_bytes: int = 0
+    device: str = "cpu"
 
 
 class TuningTable:
@@ -56,39 +59,44 @@ class TuningTable:
 
     def __init__(self, entries: Iterable[Entry], provenance: Mapping[str, Any] | None = None
                  ) -> None:
-        self.entries = sorted(entries, key=lambda e: (e.op, e.dtype, e.comm_size, e.min_bytes))
+        self.entries = sorted(entries, key=lambda e: (e.device, e.op, e.dtype, e.comm_size,
+                                                      e.min_bytes))
         self.provenance = dict(provenance or {})
-        self._index: dict[tuple[str, str, int], tuple[list[int], list[str]]] = {}
+        self._index: dict[tuple[str, str, str, int], tuple[list[int], list[str]]] = {}
         for e in self.entries:
-            bounds, names = self._index.setdefault((e.op, e.dtype, e.comm_size), ([], []))
+            key = (e.op, e.dtype, e.device, e.comm_size)
+            bounds, names = self._index.setdefault(key, ([], []))
             if names:
                 bounds.append(e.min_bytes)
             names.append(e.backend)
-        self._sizes: dict[tuple[str, str], list[int]] = {}
-        for op, dtype, n in self._index:
-            self._sizes.setdefault((op, dtype), []).append(n)
+        self._sizes: dict[tuple[str, str, str], list[int]] = {}
+        for op, dtype, device, n in self._index:
+            self._sizes.setdefault((op, dtype, device), []).append(n)
         for sizes in self._sizes.values():
             sizes.sort()
         self.hash = _hash(self.entries)
 
     # -- lookup --------------------------------------------------------------------------
 
-    def route(self, op: str, dtype: str, comm_size: int) -> tuple[list[int], list[str]] | None:
-        """``(bounds, backends)`` for an (op, dtype) on a communicator of ``comm_size``.
+    def route(self, op: str, dtype: str, comm_size: int, device: str = "cpu"
+              ) -> tuple[list[int], list[str]] | None:
+        """``(bounds, backends)`` for an (op, dtype) on buffers on ``device`` (a kind) on a
+        communicator of ``comm_size``.
 
         The backend for ``nbytes`` is ``backends[bisect_right(bounds, nbytes)]``. A size the
         table did not measure uses the nearest measured one (the smaller on a tie), so the
         choice stays a function of rank-invariant facts. None: the table says nothing.
         """
-        sizes = self._sizes.get((op, dtype))
+        sizes = self._sizes.get((op, dtype, device))
         if not sizes:
             return None
         nearest = min(sizes, key=lambda s: (abs(s - comm_size), s))
-        return self._index[(op, dtype, nearest)]
+        return self._index[(op, dtype, device, nearest)]
 
-    def lookup(self, op: str, dtype: str, comm_size: int, nbytes: int) -> str | None:
+    def lookup(self, op: str, dtype: str, comm_size: int, nbytes: int,
+               device: str = "cpu") -> str | None:
         """The backend the table chose, or None."""
-        route = self.route(op, dtype, comm_size)
+        route = self.route(op, dtype, comm_size, device)
         if route is None:
             return None
         bounds, names = route
@@ -179,5 +187,7 @@ class TuningTable:
 
 
 def _hash(entries: Iterable[Entry]) -> str:
-    canon = json.dumps([asdict(e) for e in entries], sort_keys=True, separators=(",", ":"))
+    # (an entry on "cpu" hashes as before devices were recorded: older tables stay valid)
+    canon = json.dumps([{k: v for k, v in asdict(e).items() if k != "device" or v != "cpu"}
+                        for e in entries], sort_keys=True, separators=(",", ":"))
     return hashlib.sha256((FORMAT + canon).encode()).hexdigest()

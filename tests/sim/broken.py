@@ -60,3 +60,32 @@ class NamesIgnoredEngine(Engine):
 
     def submit(self, fut, after=(), route=None, named=None):  # type: ignore[no-untyped-def]
         return super().submit(fut, after, route)
+
+
+class NoStreamWaitEngine(Engine):
+    """Lets an operation on a device stream go on once the operation it depends on is queued
+    on another stream, without making its stream wait for that one's end."""
+
+    def _edge_event(self, fut, dep):  # type: ignore[no-untyped-def]
+        pass
+
+
+class NoCallerEventEngine(Engine):
+    """Ignores the caller's current stream: an operation on device buffers may run before
+    the work the caller queued before submitting it."""
+
+    def _caller_event(self, fut):  # type: ignore[no-untyped-def]
+        pass
+
+
+class HostOnEnqueueEngine(Engine):
+    """Treats every dependant of a device operation as a stream: a host lane's operation
+    goes on once the device operation it depends on is queued, not once it has run."""
+
+    def _enqueued(self, fut):  # type: ignore[no-untyped-def]
+        for dep in fut._dependants:
+            if dep._state == PENDING and dep._route is None:
+                if dep.lane.stream is not None:
+                    self._edge_event(dep, fut)
+                self._dep_done(dep)
+        fut._dependants = None

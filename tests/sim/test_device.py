@@ -1,0 +1,270 @@
+"""Device work ordered by events (DESIGN.md rule 6), on the simulated device.
+
+Each rank of the world has a simulated device (``mcrdl.testing._device``): streams that run
+on their own, kernels that run some steps after they reach their stream's head, and
+stream-ordered backends ("stream" semantics, as NCCL) whose collectives occupy their stream
+until every member's has reached the head of theirs. The same engine code as a real run
+orders the work: by the caller's stream at submission, by event waits between operations on
+the device's streams (met when the first is queued), and by host-side gates for host lanes
+(MPI, gloo) on device buffers.
+
+The properties: generated programs that mix stream lanes and host lanes on device buffers,
+the rank's own kernels, ``wait_stream``, named operations and faults, never hang and equal the
+sequential reference. Then each rule is broken on purpose (``broken.py``) and the harness must
+catch it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, find, given, settings
+from hypothesis import strategies as st
+
+import mcrdl
+from mcrdl.testing import SimArray, SimDeadlock, SimMismatch, SimWorld, check_program, programs
+
+from .broken import HostOnEnqueueEngine, NoCallerEventEngine, NoStreamWaitEngine
+
+#: Two stream-ordered backends (two streams per communicator, so that operations on one
+#: device depend on each other across streams) beside the two host ones.
+DEVICE = {"mpi": "windowed", "gloo": "mpi", "nccl": "stream", "cupy": "stream"}
+
+PROPERTY = settings(max_examples=300, deadline=None, database=None,
+                    suppress_health_check=list(HealthCheck))
+
+
+@PROPERTY
+@given(programs(backends=tuple(DEVICE), device=True), st.integers(0, 2**16))
+def test_device_programs_never_deadlock_and_match_the_reference(program, seed):
+    check_program(program, seed=seed, backends=DEVICE)
+
+
+@settings(max_examples=150, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(programs(backends=tuple(DEVICE), device=True, named=True), st.integers(0, 2**16))
+def test_named_device_programs_match_the_reference(program, seed):
+    """Concurrent blocks of named operations on stream lanes, each rank in its own order."""
+    check_program(program, seed=seed, backends=DEVICE)
+
+
+@settings(max_examples=150, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(programs(backends=tuple(DEVICE), device=True, max_faults=1, min_faults=1,
+                max_size=4), st.integers(0, 2**16))
+def test_device_programs_with_a_fault_stay_in_step(program, seed):
+    """Rule 7 on stream lanes: one rank's operation fails or is cancelled; no wrong data."""
+    check_program(program, seed=seed, backends=DEVICE)
+
+
+# -- the harness catches each rule broken ------------------------------------------------
+
+#: The first failing program is enough (shrinking one costs minutes here).
+SEARCH = settings(max_examples=600, deadline=None, database=None, derandomize=True,
+                  phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+
+
+def _caught(engine, backends, max_steps):
+    sems = {k: v for k, v in DEVICE.items() if k in backends or k == "gloo"}
+
+    def fails(program):
+        for seed in range(3):
+            try:
+                check_program(program, seed=seed, backends=sems, engine_factory=engine)
+            except (SimDeadlock, SimMismatch, AssertionError, mcrdl.MCRDLError):
+                return True
+        return False
+
+    program = find(programs(backends=backends, device=True, auto=False, max_steps=max_steps,
+                            min_size=2, max_size=2, max_splits=0,
+                            kinds=("allreduce", "allgather", "broadcast", "alltoall",
+                                   "sendrecv")),
+                   fails, settings=SEARCH)
+    print(f"{engine.__name__}: caught with {len(program.steps)} step(s):")
+    for step in program.steps:
+        print(f"  {step}")
+    check_program(program, seed=0, backends=sems)  # the real engine gets it right
+
+
+def test_missing_event_wait_between_streams_is_caught():
+    _caught(NoStreamWaitEngine, ("nccl", "cupy"), 5)
+
+
+def test_ignoring_the_callers_stream_is_caught():
+    _caught(NoCallerEventEngine, ("mpi", "nccl"), 4)
+
+
+def test_host_lane_going_on_at_enqueue_is_caught():
+    _caught(HostOnEnqueueEngine, ("mpi", "nccl"), 5)
+
+
+# -- the rules, one by one ----------------------------------------------------------------
+
+def _run(program, size=2, **world):
+    return SimWorld(size, DEVICE, **world).run(program)
+
+
+def _device(comm):
+    return comm.runtime.devices["simgpu:0"]
+
+
+def test_a_dependency_between_streams_is_met_when_the_first_is_queued():
+    def program(comm):
+        dev = _device(comm)
+        x = dev.array(np.full(4, comm.rank + 1.0))
+        first = comm.allreduce(x, backend="nccl")
+        second = comm.allreduce(x, backend="cupy")  # reads what first writes
+        # Issued at once, its stream waiting on first's event: no host wait in between.
+        states = (first.state, second.state, second.event is not None)
+        second.wait()
+        return states, np.array(x)
+
+    for states, x in _run(program):
+        assert states == ("ISSUED", "ISSUED", True)
+        assert list(x) == [6.0] * 4  # (1 + 2) summed again
+
+
+def test_a_host_lane_waits_for_the_device_operation_to_run():
+    def program(comm):
+        dev = _device(comm)
+        x = dev.array(np.full(4, comm.rank + 1.0))
+        first = comm.allreduce(x, backend="nccl")
+        second = comm.allreduce(x, backend="mpi")
+        state = second.state
+        second.wait()
+        return state, first.done(), np.array(x)
+
+    for state, first_done, x in _run(program):
+        assert state == "PENDING" and first_done
+        assert list(x) == [6.0] * 4
+
+
+def test_operations_read_their_input_after_the_callers_kernels():
+    def program(comm):
+        dev = _device(comm)
+        x = dev.array(np.zeros(4))
+
+        def kernel():
+            x[:] = comm.rank + 1
+
+        dev.launch(kernel)
+        on_stream = comm.allreduce(x, backend="nccl")
+        y = dev.array(np.zeros(4))
+
+        def kernel2():
+            y[:] = comm.rank + 10
+
+        dev.launch(kernel2)
+        gated = comm.allreduce(y, backend="mpi")  # a host lane: gated on the kernel's event
+        state = gated.state
+        on_stream.wait()
+        gated.wait()
+        return state, np.array(x), np.array(y)
+
+    for state, x, y in _run(program, max_delay=6):
+        assert state == "PENDING"
+        assert list(x) == [3.0] * 4 and list(y) == [21.0] * 4
+
+
+def test_wait_stream_does_not_block_the_host():
+    def program(comm):
+        dev = _device(comm)
+        x = dev.array(np.full(4, comm.rank + 1.0))
+        fut = comm.allreduce(x, backend="nccl")
+        fut.wait_stream()  # the current stream waits for it; the host goes on
+        done_then = fut.done()
+        out = dev.array(np.zeros(4))
+
+        def consume():
+            out[:] = x * 10
+
+        dev.launch(consume)
+        dev.synchronize()
+        return done_then, np.array(out)
+
+    for done_then, out in _run(program):
+        assert not done_then
+        assert list(out) == [30.0] * 4
+
+
+def test_wait_stream_on_a_host_operation_waits_for_it():
+    def program(comm):
+        x = _device(comm).array(np.full(4, comm.rank + 1.0))
+        fut = comm.allreduce(x, backend="mpi")
+        fut.wait_stream()
+        return fut.done()
+
+    assert _run(program) == [True, True]
+
+
+def test_a_failure_on_a_stream_fails_what_went_on_behind_it():
+    world = SimWorld(2, DEVICE)
+
+    def program(comm):
+        dev = _device(comm)
+        x = dev.array(np.full(4, 1.0))
+        if comm.rank == 0:
+            world.inject("error", [x])
+        first = comm.allreduce(x, backend="nccl")
+        second = comm.allreduce(x, backend="cupy")
+        issued = second.state
+        errors = []
+        for fut in (first, second):
+            try:
+                fut.wait()
+                errors.append(None)
+            except mcrdl.MCRDLError as exc:
+                errors.append(type(exc).__name__)
+        return issued, errors
+
+    got = world.run(program)
+    # Rank 0's second operation went on before the first failed there: it fails, and since
+    # its peer matched it with what rank 0 did not produce, the communicator breaks.
+    assert got[0] == ("ISSUED", ["BackendError", "DependencyFailedError"])
+    assert got[1] == ("ISSUED", [None, "CommBrokenError"])
+
+
+# -- selection by device ---------------------------------------------------------------------
+
+def test_the_device_is_part_of_every_choice():
+    def program(comm):
+        host = comm.allreduce(np.ones(4))
+        dev = comm.allreduce(_device(comm).array(np.ones(4)))
+        return host.lane.backend_name, dev.lane.backend_name, sorted(
+            {key[-1] for key in comm._choice_cache})
+
+    for host, dev, devices in _run(program):
+        assert host == "mpi"  # the preference for host memory
+        assert dev in ("cupy", "nccl")  # a stream-ordered backend first for device memory
+        assert devices == ["cpu", "simgpu:0"]
+
+
+def test_a_backend_that_cannot_reach_the_buffer_says_which_can():
+    def program(comm):
+        with pytest.raises(mcrdl.UnsupportedOperationError,
+                           match=r"nccl cannot reach cpu .*backends that can: mpi, gloo"):
+            comm.allreduce(np.ones(4), backend="nccl")
+        x = _device(comm).array(np.ones(4))
+        with pytest.raises(ValueError, match="out is on cpu but buf is on simgpu:0"):
+            comm.allgather(x, out=np.empty(8))
+        return True
+
+    assert _run(program) == [True, True]
+
+
+def test_no_backend_reaching_the_device():
+    def program(comm):
+        x = np.ones(4).view(SimArray)
+        x._device = "simgpu:0"  # memory of a device no backend of this world reaches
+        with pytest.raises(mcrdl.UnsupportedOperationError,
+                           match="no backend in this runtime can allreduce float64 with SUM "
+                                 "on simgpu:0"):
+            comm.allreduce(x)
+        return True
+
+    assert SimWorld(2, {"mpi": "windowed"}).run(program) == [True, True]
+
+
+def test_a_runtime_needs_a_backend_of_host_memory():
+    with pytest.raises(mcrdl.BackendUnavailableError, match="reach device memory only"):
+        SimWorld(2, {"nccl": "stream"})
