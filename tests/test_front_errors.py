@@ -219,12 +219,12 @@ def test_op_must_be_a_reduce_op(comm):
 def test_unknown_and_unavailable_backends(backends):
     runtime = Runtime(Config(progress_thread=False), None, {"mpi": backends["mpi"]})
     comm = runtime.world
-    with pytest.raises(UnknownBackendError, match=exact("unknown backend 'ncl'; known: gloo, mpi, sim")):
+    with pytest.raises(UnknownBackendError, match=exact("unknown backend 'ncl'; known: gloo, mpi, nccl, sim")):
         comm.allreduce(torch.ones(4), backend="ncl")
     with pytest.raises(BackendUnavailableError, match=exact(
             "backend 'gloo' is not available in this runtime; available: mpi")):
         comm.allreduce(torch.ones(4), backend="gloo")
-    with pytest.raises(UnknownBackendError, match=exact("unknown backend 'ncl'; known: gloo, mpi, sim")):
+    with pytest.raises(UnknownBackendError, match=exact("unknown backend 'ncl'; known: gloo, mpi, nccl, sim")):
         mcrdl.backends.backend_class("ncl")
 
 
@@ -288,3 +288,22 @@ def test_a_bad_name_is_refused_before_anything_is_submitted():
         with pytest.raises(ValueError, match="non-empty string"):
             comm.allreduce(np.ones(1), name="")
         assert engine.stats().submitted == before
+
+
+def test_a_tensor_on_a_device_no_backend_reaches(comm):
+    # (a "meta" tensor stands for any device memory these backends do not reach)
+    with pytest.raises(UnsupportedOperationError,
+                       match=r"no backend in this runtime can allreduce float32 with SUM on meta"):
+        comm.allreduce(torch.empty(4, device="meta"))
+    with pytest.raises(UnsupportedOperationError,
+                       match=r"mpi cannot reach meta \(it reaches cpu\); backends that can: none"):
+        comm.broadcast(torch.empty(4, device="meta"), backend="mpi")
+
+
+def test_cuda_array_interface_objects_are_refused_with_the_zero_copy_way(comm):
+    class CudaArray:  # what cupy and numba arrays expose
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0, False),
+                                    "version": 3}
+
+    with pytest.raises(TypeError, match=r"torch.as_tensor\(buf, device='cuda'\)"):
+        comm.allreduce(CudaArray())

@@ -132,7 +132,7 @@ def test_init_from_a_given_store():
 
 
 def test_unknown_backend_at_init():
-    with pytest.raises(UnknownBackendError, match=r"^unknown backend 'glo'; known: gloo, mpi, sim$"):
+    with pytest.raises(UnknownBackendError, match=r"^unknown backend 'glo'; known: gloo, mpi, nccl, sim$"):
         mcrdl.init(backends=["glo"])
     assert mcrdl.current_runtime() is None
 

@@ -15,6 +15,7 @@ __all__ = ["available_backends", "backend_class", "known_backends", "register_ba
 _ENTRIES: dict[str, str] = {
     "mpi": "mcrdl.backends.mpi:MPIBackend",
     "gloo": "mcrdl.backends.gloo:GlooBackend",
+    "nccl": "mcrdl.backends.nccl:NCCLBackend",
     "sim": "mcrdl.backends.sim:SimBackend",
 }
 
