@@ -64,7 +64,7 @@ class SimEvent:
 
 class SimStream:
     """An in-order queue of device work: ``("record", event)``, ``("wait", event)``,
-    ``("kernel", fn, [due step])``, ``("coll", op)``."""
+    ``("kernel", fn, [steps or due step, at head])``, ``("coll", op)``."""
 
     __slots__ = ("name", "items")
 
@@ -122,9 +122,12 @@ class SimDevice(Device):
         out._device = self.name
         return out
 
-    def launch(self, fn: Callable[[], None], stream: SimStream | None = None) -> None:
-        """Queue ``fn`` as a kernel on ``stream`` (default: the current stream)."""
-        (stream or self.current).items.append(("kernel", fn, [None]))
+    def launch(self, fn: Callable[[], None], stream: SimStream | None = None,
+               steps: int | None = None) -> None:
+        """Queue ``fn`` as a kernel on ``stream`` (default: the current stream) that runs
+        ``steps`` scheduler steps after it reaches the head (default: a number drawn from
+        the world's seed, up to its ``max_delay``)."""
+        (stream or self.current).items.append(("kernel", fn, [steps, False]))
 
     def synchronize(self) -> None:
         """Block the calling (simulated) thread until the current stream has run dry."""
@@ -149,9 +152,12 @@ class SimDevice(Device):
                 elif tag == "record":
                     item[1].reached = True
                 elif tag == "kernel":
-                    due = item[2]
-                    if due[0] is None:
-                        due[0] = world.step + int(world.rng.integers(world.max_delay + 1))
+                    due = item[2]  # [steps, or the step it is due at once at the head; at head]
+                    if not due[1]:
+                        steps = due[0]
+                        if steps is None:
+                            steps = int(world.rng.integers(world.max_delay + 1))
+                        due[:] = [world.step + steps, True]
                         moved = True
                     if world.step < due[0]:
                         break
@@ -170,7 +176,7 @@ class SimDevice(Device):
     def due(self) -> list[int]:
         """Steps at which a kernel at the head of a stream is due to run."""
         return [item[2][0] for stream in self.streams if stream.items
-                for item in (stream.items[0],) if item[0] == "kernel" and item[2][0] is not None]
+                for item in (stream.items[0],) if item[0] == "kernel" and item[2][1]]
 
     def describe(self) -> list[str]:
         """What each non-empty stream holds, head first (for deadlock reports)."""

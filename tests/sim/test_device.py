@@ -22,7 +22,10 @@ from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
 import mcrdl
+from mcrdl._select import Selector
 from mcrdl.testing import SimArray, SimDeadlock, SimMismatch, SimWorld, check_program, programs
+
+from mcrdl.tuning import Entry, TuningTable
 
 from .broken import HostOnEnqueueEngine, NoCallerEventEngine, NoStreamWaitEngine
 
@@ -112,16 +115,22 @@ def test_a_dependency_between_streams_is_met_when_the_first_is_queued():
     def program(comm):
         dev = _device(comm)
         x = dev.array(np.full(4, comm.rank + 1.0))
+        if comm.rank == 1:
+            # Rank 1's nccl stream is busy for a while, so that the allreduce on it runs
+            # late; rank 1's cupy operation reads other bytes and can run at once.
+            dev.launch(lambda: None, stream=comm._slots["nccl"].lane.stream, steps=30)
         first = comm.allreduce(x, backend="nccl")
-        second = comm.allreduce(x, backend="cupy")  # reads what first writes
+        y = x if comm.rank == 0 else dev.array(np.full(4, 100.0))
+        second = comm.allreduce(y, backend="cupy")  # on rank 0, reads what first writes
         # Issued at once, its stream waiting on first's event: no host wait in between.
         states = (first.state, second.state, second.event is not None)
         second.wait()
-        return states, np.array(x)
+        first.wait()
+        return states, np.array(y)
 
-    for states, x in _run(program):
-        assert states == ("ISSUED", "ISSUED", True)
-        assert list(x) == [6.0] * 4  # (1 + 2) summed again
+    zero, one = _run(program)
+    assert zero[0] == one[0] == ("ISSUED", "ISSUED", True)
+    assert list(zero[1]) == list(one[1]) == [103.0] * 4  # rank 0's (1 + 2), then + 100
 
 
 def test_a_host_lane_waits_for_the_device_operation_to_run():
@@ -147,21 +156,21 @@ def test_operations_read_their_input_after_the_callers_kernels():
         def kernel():
             x[:] = comm.rank + 1
 
-        dev.launch(kernel)
+        dev.launch(kernel, steps=5)
         on_stream = comm.allreduce(x, backend="nccl")
         y = dev.array(np.zeros(4))
 
         def kernel2():
             y[:] = comm.rank + 10
 
-        dev.launch(kernel2)
+        dev.launch(kernel2, steps=5)
         gated = comm.allreduce(y, backend="mpi")  # a host lane: gated on the kernel's event
         state = gated.state
         on_stream.wait()
         gated.wait()
         return state, np.array(x), np.array(y)
 
-    for state, x, y in _run(program, max_delay=6):
+    for state, x, y in _run(program):
         assert state == "PENDING"
         assert list(x) == [3.0] * 4 and list(y) == [21.0] * 4
 
@@ -268,3 +277,45 @@ def test_no_backend_reaching_the_device():
 def test_a_runtime_needs_a_backend_of_host_memory():
     with pytest.raises(mcrdl.BackendUnavailableError, match="reach device memory only"):
         SimWorld(2, {"nccl": "stream"})
+
+
+def test_an_alltoallv_routed_by_size_on_device_buffers():
+    """A tuning table keyed by the simulated device splits alltoallv by its agreed total
+    between a stream lane and a host lane; the data is written by the rank's own kernel just
+    before (the routed operation waits on the host for its event, then goes where the total
+    says), and read back by a kernel after ``wait_stream``."""
+    entries = [Entry("alltoallv", "float64", 2, 0, 64, "nccl", device="simgpu"),
+               Entry("alltoallv", "float64", 2, 64, None, "mpi", device="simgpu"),
+               Entry("alltoallv", "float64", 2, 0, None, "gloo")]  # (cpu: another choice)
+
+    def selector(rank, backends):
+        return Selector(backends, table=TuningTable(entries))
+
+    def program(comm):
+        dev = _device(comm)
+        x = dev.array(np.zeros(6))
+
+        def fill():
+            x[:] = np.arange(6.0) + 10 * comm.rank
+
+        dev.launch(fill, steps=40)  # (longer than the exchange of the counts)
+        counts = [2, 4] if comm.rank == 0 else [5, 1]
+        large = comm.alltoallv(x, counts)  # 96 B in all -> mpi
+        small = comm.alltoallv(x[:2], [1, 1])  # 32 B in all -> nccl
+        small.wait_stream()  # its output is made when the counts are in: a host wait
+        assert small.done()
+        got = dev.array(np.zeros(2))
+        out = small.result()
+
+        def copy():
+            got[:] = out
+
+        dev.launch(copy)
+        dev.synchronize()
+        return (large.wait().tolist(), large.lane.backend_name, np.array(got).tolist(),
+                small.lane.backend_name)
+
+    world = SimWorld(2, DEVICE, seed=5, selector_factory=selector)
+    zero, one = world.run(program)
+    assert zero == ([0.0, 1.0, 10.0, 11.0, 12.0, 13.0, 14.0], "mpi", [0.0, 10.0], "nccl")
+    assert one == ([2.0, 3.0, 4.0, 5.0, 15.0], "mpi", [1.0, 11.0], "nccl")
