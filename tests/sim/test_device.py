@@ -137,14 +137,18 @@ def test_a_host_lane_waits_for_the_device_operation_to_run():
     def program(comm):
         dev = _device(comm)
         x = dev.array(np.full(4, comm.rank + 1.0))
-        first = comm.allreduce(x, backend="nccl")
-        second = comm.allreduce(x, backend="mpi")
-        state = second.state
+        if comm.rank == 1:  # the nccl allreduce runs late (its stream busy on rank 1)
+            dev.launch(lambda: None, stream=comm._slots["nccl"].lane.stream, steps=30)
+        gate = comm.barrier(backend="mpi")
+        first = comm.allreduce(x, backend="nccl", after=[gate])
+        second = comm.allreduce(x, backend="mpi")  # reads what first writes
+        gate.wait()  # first is queued on its stream now; second must wait for it to run
+        seen = (first.state, second.state)
         second.wait()
-        return state, first.done(), np.array(x)
+        return seen, first.done(), np.array(x)
 
-    for state, first_done, x in _run(program):
-        assert state == "PENDING" and first_done
+    for seen, first_done, x in _run(program):
+        assert seen == ("ISSUED", "PENDING") and first_done
         assert list(x) == [6.0] * 4
 
 
