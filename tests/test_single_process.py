@@ -33,6 +33,14 @@ def test_world_of_one(world):
     assert mcrdl.current_runtime() is world.runtime
 
 
+def test_mpi_says_which_memory_it_reaches(world):
+    mpi = world.runtime.backend("mpi")
+    # MPI 4.1's mpi_memory_alloc_kinds, read from the library (MPICH's wheel: "mpi,system")
+    assert "system" in mpi.memory_kinds
+    assert mpi.cuda_aware == any(k.startswith("cuda") for k in mpi.memory_kinds)
+    assert mpi.capabilities.devices == {"cpu"}  # device buffers do not go to MPI yet
+
+
 @pytest.mark.parametrize("backend", ["mpi", "gloo", None])
 def test_every_op_on_one_rank(world, backend):
     x = torch.arange(6, dtype=torch.float32).reshape(3, 2)

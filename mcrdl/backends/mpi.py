@@ -11,6 +11,10 @@ Quirks beyond the contract:
 - Every communicator is private (a Dup or Create_group), so user traffic on COMM_WORLD can
   never match ours.
 - Reductions on bool use the logical ops (SUM and MAX are LOR, PROD and MIN are LAND).
+- Which memory this MPI reaches is read, not assumed: ``memory_kinds`` is the library's
+  ``mpi_memory_alloc_kinds`` (MPI 4.1; MPICH 5.0.2's pip wheel says ``mpi,system``), and
+  ``cuda_aware`` whether a ``cuda`` kind is among them. Device buffers are not passed to MPI
+  yet, CUDA-aware or not (docs/gpu.md): ``capabilities.devices`` is ``cpu``.
 """
 
 from __future__ import annotations
@@ -43,6 +47,20 @@ _COMPLEX = frozenset({DType.COMPLEX64, DType.COMPLEX128})
 _HALVES = frozenset({DType.FLOAT16, DType.BFLOAT16})
 #: Communicators of broken groups, never freed (``MPIBackend.abandon``).
 _KEPT: list[tuple[Any, Any]] = []
+
+
+def _memory_kinds(MPI: Any) -> tuple[str, ...]:
+    """The library's ``mpi_memory_alloc_kinds`` (MPI 4.1), e.g. ``("mpi", "system")`` or
+    ``("system", "cuda:device")``; empty where it does not report them."""
+    try:
+        info = MPI.COMM_WORLD.Get_info()
+        try:
+            value = info.Get("mpi_memory_alloc_kinds")
+        finally:
+            info.Free()
+    except Exception:  # noqa: BLE001 - an MPI before 4.1: it does not say
+        return ()
+    return tuple(k.strip() for k in (value or "").split(",") if k.strip())
 
 
 class _MPIGroup:
@@ -157,6 +175,10 @@ class MPIBackend(Backend):
                 "'serialized' (or let mcrdl import mpi4py first)"
             )
         self._world = _MPIGroup(MPI.COMM_WORLD.Dup())
+        #: The kinds of memory this MPI library says it reaches (empty: it does not say).
+        self.memory_kinds = _memory_kinds(MPI)
+        #: Whether it reaches CUDA device memory (a CUDA-aware build).
+        self.cuda_aware = any(kind.partition(":")[0] == "cuda" for kind in self.memory_kinds)
         self._IN_PLACE = MPI.IN_PLACE
         self._fromaddress = MPI.buffer.fromaddress
         self._types = {
