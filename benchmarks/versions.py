@@ -74,6 +74,8 @@ def main() -> None:
     parser.add_argument("--backend", default="mpi")
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat the whole comparison (the cells move between rounds)")
+    parser.add_argument("--numpy", action="store_true",
+                        help="pass numpy arrays (default: torch tensors)")
     args = parser.parse_args()
     other = load_other(args.other)
     new = mcrdl.init(backends=[args.backend])
@@ -83,8 +85,9 @@ def main() -> None:
     world = MPI.COMM_WORLD
     size = new.size
     if new.rank == 0:
-        print(f"# {size} ranks, backend {args.backend}, {args.pairs} pairs per point; "
-              f"µs per call (slowest rank), medians")
+        print(f"# {size} ranks, backend {args.backend}, "
+              f"{'numpy arrays' if args.numpy else 'torch tensors'}, {args.pairs} pairs per "
+              f"point; µs per call (slowest rank), medians")
         print(f"{'op':<10} {'size':>6} {'raw MPI':>8} {'other':>8} {'this':>8} "
               f"{'this-other':>11}")
     for _ in range(args.rounds):
@@ -94,7 +97,9 @@ def main() -> None:
                     1, nbytes // 4 // (size if op == "allgather" else 1))
                 x = torch.ones(n)
                 out = torch.empty(n * size if op == "allgather" else n)
-                a, b = call(new, op, x, out, args.backend), call(old, op, x, out, args.backend)
+                xs, outs = (x.numpy(), out.numpy()) if args.numpy else (x, out)
+                a = call(new, op, xs, outs, args.backend)
+                b = call(old, op, xs, outs, args.backend)
                 for _ in range(200):  # warm both
                     a()
                     b()

@@ -307,3 +307,18 @@ def test_cuda_array_interface_objects_are_refused_with_the_zero_copy_way(comm):
 
     with pytest.raises(TypeError, match=r"torch.as_tensor\(buf, device='cuda'\)"):
         comm.allreduce(CudaArray())
+
+
+def test_a_buffer_knows_the_bytes_it_covers():
+    from mcrdl._buffers import as_buffer
+
+    base = np.arange(32, dtype=np.float64)
+    view = base[5:9]  # writable: its address through the buffer protocol
+    readonly = base[5:9].view()
+    readonly.flags.writeable = False  # read-only: through __array_interface__
+    for arr in (view, readonly):
+        b = as_buffer(arr, "buf")
+        assert b.addr == arr.__array_interface__["data"][0] == base.ctypes.data + 5 * 8
+        assert b.ranges == ((b.addr, b.addr + 32),) and b.device == "cpu"
+    t = torch.arange(8.0)[2:6]
+    assert as_buffer(t, "buf").ranges == ((t.data_ptr(), t.data_ptr() + 16),)
