@@ -192,7 +192,7 @@ def as_buffer(obj: Any, name: str, writable: bool = False) -> Buffer:
         n = obj.nbytes
         if not n:
             return _new(Buffer, (obj, dt, 0, 0, False, False, device, ()))
-        addr = (_addressof(_from_buffer(obj)) if flags.writeable
+        addr = (_addressof(_from_buffer(obj)) if flags.writeable  # type: ignore[arg-type]
                 else obj.__array_interface__["data"][0])
         return _new(Buffer, (obj, dt, n, addr, False, False, device, ((addr, addr + n),)))
     if tensor_type is None and _torch_tensor_type() is not None:
