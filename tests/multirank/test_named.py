@@ -129,11 +129,17 @@ def test_every_collective_takes_a_name(comm):
 
 
 def test_a_name_in_use_is_refused(comm):
+    # The first "twice" waits for a message the next rank sends only after its own second
+    # submission: it is surely in flight then (without the gate the background thread could
+    # finish it in between, once every peer had submitted it: the test failed ~1 run in 15).
+    gate = comm.recv(torch.empty(1), (comm.rank + 1) % comm.size, tag=7)
     x = torch.ones(2)
-    fut = comm.allreduce(x, name="twice")
+    fut = comm.allreduce(x, name="twice", after=[gate])
     with pytest.raises(ValueError, match="name 'twice' is in use"):
         comm.allreduce(torch.ones(2), name="twice")
+    sent = comm.send(torch.ones(1), (comm.rank - 1) % comm.size, tag=7)
     fut.wait()
+    sent.wait()
 
 
 def test_bad_names_are_refused(comm):
