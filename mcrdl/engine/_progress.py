@@ -558,11 +558,11 @@ class Engine:
 
     @staticmethod
     def _stream_edge(fut: CommFuture, dep: CommFuture) -> bool:
-        """Whether ``fut`` (on a lane with a stream) may wait for ``dep`` on its stream,
-        once ``dep`` is queued, instead of for ``dep``'s end on the host: ``dep`` runs on a
-        stream of the same device and all of it runs there (no finishing step on the host)."""
-        return (dep.lane.stream is not None and dep.lane.device is fut.lane.device
-                and dep.finish is None)
+        """Whether ``fut`` may wait for ``dep`` on its stream, once ``dep`` is queued,
+        instead of for ``dep``'s end on the host: both run on streams of one device, and all
+        of ``dep`` runs there (no finishing step on the host)."""
+        return (fut.lane.stream is not None and dep.lane.stream is not None
+                and dep.lane.device is fut.lane.device and dep.finish is None)
 
     def _edge_event(self, fut: CommFuture, dep: CommFuture) -> None:
         """``fut``'s stream is to wait for the queued ``dep``'s end."""
@@ -593,8 +593,7 @@ class Engine:
         their own streams (`_stream_edge`) go on, their streams waiting on ``fut.event``."""
         keep = []
         for dep in fut._dependants:  # type: ignore[union-attr]
-            if (dep._state == PENDING and dep._route is None and dep.lane.stream is not None
-                    and self._stream_edge(dep, fut)):
+            if dep._state == PENDING and dep._route is None and self._stream_edge(dep, fut):
                 self._edge_event(dep, fut)
                 self._dep_done(dep)
             else:
