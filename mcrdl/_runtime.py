@@ -16,7 +16,7 @@ import threading
 import time
 
 import numpy as np
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ._bootstrap import Bootstrap, finalize_mpi
@@ -31,6 +31,7 @@ from ._notices import Notices
 from ._observe import Recorder, format_summary, summarize, trace_events
 from ._select import DEFAULT_PREFERENCE, Selector, Slot
 from .backends import Backend, backend_class, known_backends
+from .backends._staging import StagedBackend
 from .backends._threaded import ThreadedBackend, Threads
 from .engine import CommFuture, Engine, PollPolicy, flight_dump, flight_record
 from .engine._names import Names
@@ -68,6 +69,7 @@ class Runtime:
         threads: Threads | None = None,
         selector: Selector | None = None,
         notices: Any = None,
+        staging: Callable[[Backend, Mapping[str, Any]], Backend] = StagedBackend,
     ) -> None:
         if not backends:
             raise BackendUnavailableError("no backend could be brought up")
@@ -90,6 +92,15 @@ class Runtime:
         #: The devices the backends reach, by name (`mcrdl.backends.Device`).
         self.devices: dict[str, Any] = {b.device.name: b.device for b in backends.values()
                                         if b.device is not None}
+        if bootstrap is not None:
+            self.devices.update(_cuda_devices(self.devices))
+        if self.devices:  # host backends reach them through host copies where they cannot
+            kinds = {d.kind for d in self.devices.values()}
+            self._backends = {
+                name: staging(b, self.devices)
+                if not b.capabilities.stream_ordered and kinds - b.capabilities.devices else b
+                for name, b in self._backends.items()
+            }
         self.engine = engine or Engine(
             policy=PollPolicy(oversubscribed=_oversubscribed(bootstrap)),
             background=config.progress_thread,
@@ -430,6 +441,20 @@ def _watch_dump_signals(runtime: Runtime, bootstrap: Bootstrap | None) -> None:
         current = signal.getsignal(sig)
         if current is signal.SIG_DFL or getattr(current, "__func__", None) is Runtime._on_signal:
             signal.signal(sig, runtime._on_signal)
+
+
+def _cuda_devices(known: Mapping[str, Any]) -> dict[str, Any]:
+    """This process's current GPU, where torch is loaded and sees one and no backend brought
+    it up already (then MPI and gloo reach it staged: ``backends._staging``)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return {}
+    index = torch.cuda.current_device()
+    if f"cuda:{index}" in known:
+        return {}
+    from .backends._cuda import CudaDevice
+
+    return {f"cuda:{index}": CudaDevice(index)}
 
 
 def _oversubscribed(bootstrap: Bootstrap | None) -> bool:

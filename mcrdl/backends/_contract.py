@@ -48,7 +48,10 @@ class Capabilities:
             AVG missing here is not a refusal: the engine runs SUM and divides.
         devices: the kinds of device its buffers may live on (``"cpu"``, ``"cuda"``; see
             `mcrdl.backends._device`). A backend that lists a device kind besides ``"cpu"``
-            has a ``device`` (the `Device` of that kind it reaches).
+            has a ``device`` (the `Device` of that kind it reaches), or reaches it staged.
+        staged: the device kinds among ``devices`` it reaches only through host copies that
+            the runtime makes around each operation (`mcrdl.backends._staging`): a host
+            backend (MPI without CUDA support, gloo) on device buffers.
         cancel: whether an issued request can be cancelled.
         stream_ordered: whether it orders work on a device stream (GPU backends): each of its
             groups has a stream (``Backend.stream``), where ``start_*`` queues the operation
@@ -78,6 +81,7 @@ class Capabilities:
     dtypes: frozenset[DType]
     reductions: Mapping[ReduceOp, frozenset[DType]] = field(default_factory=dict)
     devices: frozenset[str] = frozenset({"cpu"})
+    staged: frozenset[str] = frozenset()
     cancel: bool = False
     stream_ordered: bool = False
     in_order: bool = False

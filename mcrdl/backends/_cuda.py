@@ -22,6 +22,7 @@ class CudaDevice(Device):
     def __init__(self, index: int) -> None:
         import torch
 
+        self._torch = torch
         self._cuda = torch.cuda
         self.index = index
         self.name = f"cuda:{index}"
@@ -43,3 +44,13 @@ class CudaDevice(Device):
 
     def query(self, event: Any) -> bool:
         return bool(event.query())
+
+    def host_like(self, obj: Any) -> Any:
+        return self._torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True)
+
+    def copy(self, dst: Any, src: Any, stream: Any) -> None:
+        # Both tensors stay referenced (by the staged request) until an event recorded after
+        # the copy has been reached, so the caching allocator cannot hand their memory out
+        # while the copy stream still uses it.
+        with self._cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)

@@ -13,7 +13,10 @@ Where they are used:
   starts the operation there and records the event that marks its end on the stream;
 - a lane of a host backend (MPI, gloo) on device buffers starts an operation only once its
   events have been *reached*, which the engine learns by querying them as it polls;
-- ``CommFuture.wait_stream`` makes a stream wait on an operation's end without blocking.
+- ``CommFuture.wait_stream`` makes a stream wait on an operation's end without blocking;
+- a host backend that cannot read device memory gets host copies of an operation's device
+  buffers (``host_like``), filled and read back by copies queued on a stream of its own
+  (``copy``; `mcrdl.backends._staging`).
 
 Two implementations: CUDA through torch (`mcrdl.backends._cuda`), and the simulated device of
 ``mcrdl.testing.SimWorld``, which runs the same engine code on CPU.
@@ -63,6 +66,17 @@ class Device(ABC):
     @abstractmethod
     def query(self, event: Any) -> bool:
         """Whether ``event`` has been reached; never blocks."""
+
+    @abstractmethod
+    def host_like(self, obj: Any) -> Any:
+        """An uninitialized host array of ``obj``'s kind (torch tensor or numpy array), shape
+        and dtype, in memory that ``copy`` moves to and from the device without the host
+        waiting (pinned memory on a GPU)."""
+
+    @abstractmethod
+    def copy(self, dst: Any, src: Any, stream: Any) -> None:
+        """Queue a copy of ``src`` into ``dst`` (same shape and dtype; one on this device, the
+        other from ``host_like``) on ``stream``; the host does not wait."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"

@@ -13,8 +13,11 @@ Quirks beyond the contract:
 - Reductions on bool use the logical ops (SUM and MAX are LOR, PROD and MIN are LAND).
 - Which memory this MPI reaches is read, not assumed: ``memory_kinds`` is the library's
   ``mpi_memory_alloc_kinds`` (MPI 4.1; MPICH 5.0.2's pip wheel says ``mpi,system``), and
-  ``cuda_aware`` whether a ``cuda`` kind is among them. Device buffers are not passed to MPI
-  yet, CUDA-aware or not (docs/gpu.md): ``capabilities.devices`` is ``cpu``.
+  ``cuda_aware`` whether a ``cuda`` kind is among them. Device buffers never reach MPI
+  itself, CUDA-aware or not: ``capabilities.devices`` is ``cpu``, and the runtime stages
+  operations on device buffers through pinned host copies (``backends._staging``). Passing
+  device memory to a CUDA-aware build is not done yet: the half-precision reductions are a
+  host callback (``_half_ops``), which cannot read device memory (docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -114,6 +114,14 @@ class SimDevice(Device):
     def query(self, event: SimEvent) -> bool:
         return event.reached
 
+    def host_like(self, obj: Any) -> np.ndarray[Any, Any]:
+        return np.empty(obj.shape, dtype=obj.dtype)
+
+    def copy(self, dst: Any, src: Any, stream: SimStream) -> None:
+        """A kernel on ``stream`` (it runs some steps after it reaches the head, as any:
+        whatever reads ``dst`` before the copy's event is reached reads stale values)."""
+        self.launch(lambda: np.copyto(dst, src), stream)
+
     # -- what a program does with it ----------------------------------------------------------
 
     def array(self, values: np.ndarray[Any, Any]) -> SimArray:

@@ -16,8 +16,8 @@ when members issue different collectives at the same position of a group.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,6 +25,7 @@ import numpy as np
 from .._buffers import Buffer
 from .._config import Config
 from .._runtime import Runtime
+from ..backends import Backend
 from ..backends._threaded import Threads
 from ..backends.sim import SimBackend, SimGroup, SimOp, reduce_stack
 from ..engine import Engine, PollPolicy, flight_record
@@ -152,6 +153,10 @@ class SimWorld:
         debug: check every collective's fingerprint (as ``MCRDL_DEBUG=1`` does).
         device: give every rank a simulated device (`mcrdl.testing._device`), which every
             backend reaches; implied by a backend of ``"stream"`` semantics.
+        staged: backends (by name) that do not reach the device themselves: the runtime
+            stages their operations on device buffers through host copies, as it does for
+            MPI without CUDA support and for gloo (`mcrdl.backends._staging`).
+        staging: replaces that staging adapter (a broken one, for the tests).
         timeout: the per-operation timeout in simulated seconds (a scheduler step is
             ``STEP_SECONDS``); None: none.
     """
@@ -171,6 +176,8 @@ class SimWorld:
         debug: bool = False,
         timeout: float | None = None,
         device: bool = False,
+        staged: Collection[str] = (),
+        staging: Callable[..., Backend] | None = None,
     ) -> None:
         if not 1 <= size <= 64:
             raise ValueError(f"size={size}: a simulated world has 1 to 64 ranks")
@@ -210,6 +217,9 @@ class SimWorld:
             if not wrap_blocking:
                 for b in sims.values():
                     b.capabilities = _unblocked(b.capabilities)
+            for name in staged:
+                sims[name].capabilities = replace(sims[name].capabilities,
+                                                  devices=frozenset({"cpu"}))
             engine = (engine_factory or Engine)(
                 background=False, policy=PollPolicy(spin_polls=0), timeout=timeout,
                 clock=self.clock)
@@ -217,7 +227,8 @@ class SimWorld:
             selector = selector_factory(rank, tuple(sims)) if selector_factory else None
             config = Config(progress_thread=False, timeout=timeout, debug=debug)
             self.runtimes.append(Runtime(config, None, sims, engine=engine, threads=threads,
-                                         selector=selector, notices=_Notices(self, rank, engine)))
+                                         selector=selector, notices=_Notices(self, rank, engine),
+                                         **({} if staging is None else {"staging": staging})))
 
     def clock(self) -> float:
         """Simulated seconds: each scheduler step is STEP_SECONDS."""
@@ -515,8 +526,6 @@ class SimWorld:
 
 
 def _unblocked(caps: Any) -> Any:
-    from dataclasses import replace
-
     return replace(caps, blocking_calls=False)
 
 

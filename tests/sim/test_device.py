@@ -27,7 +27,13 @@ from mcrdl.testing import SimArray, SimDeadlock, SimMismatch, SimWorld, check_pr
 
 from mcrdl.tuning import Entry, TuningTable
 
-from .broken import HostOnEnqueueEngine, NoCallerEventEngine, NoStreamWaitEngine
+from .broken import (
+    CopyBackIgnoredBackend,
+    CopyInIgnoredBackend,
+    HostOnEnqueueEngine,
+    NoCallerEventEngine,
+    NoStreamWaitEngine,
+)
 
 #: Two stream-ordered backends (two streams per communicator, so that operations on one
 #: device depend on each other across streams) beside the two host ones.
@@ -60,6 +66,36 @@ def test_device_programs_with_a_fault_stay_in_step(program, seed):
     check_program(program, seed=seed, backends=DEVICE)
 
 
+# -- host backends that do not reach the device: staged through host copies ----------------
+
+#: MPI without CUDA support, gloo, and a backend of blocking calls, beside a stream backend:
+#: the runtime stages the first three's operations on device buffers (`backends._staging`).
+STAGED_SEMS = {"mpi": "windowed", "gloo": "mpi", "ccl": "blocking", "nccl": "stream"}
+STAGED = ("mpi", "gloo", "ccl")
+
+
+@settings(max_examples=120, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(programs(backends=tuple(STAGED_SEMS), device=True), st.integers(0, 2**16))
+def test_staged_device_programs_never_deadlock_and_match_the_reference(program, seed):
+    check_program(program, seed=seed, backends=STAGED_SEMS, staged=STAGED)
+
+
+@settings(max_examples=60, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(programs(backends=tuple(STAGED_SEMS), device=True, named=True), st.integers(0, 2**16))
+def test_staged_named_device_programs_match_the_reference(program, seed):
+    check_program(program, seed=seed, backends=STAGED_SEMS, staged=STAGED)
+
+
+@settings(max_examples=60, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(programs(backends=tuple(STAGED_SEMS), device=True, max_faults=1, min_faults=1,
+                max_size=4), st.integers(0, 2**16))
+def test_staged_device_programs_with_a_fault_stay_in_step(program, seed):
+    check_program(program, seed=seed, backends=STAGED_SEMS, staged=STAGED)
+
+
 # -- the harness catches each rule broken ------------------------------------------------
 
 #: The first failing program is enough (shrinking one costs minutes here).
@@ -67,13 +103,16 @@ SEARCH = settings(max_examples=600, deadline=None, database=None, derandomize=Tr
                   phases=[Phase.generate], suppress_health_check=list(HealthCheck))
 
 
-def _caught(engine, backends, max_steps):
+def _caught(engine, backends, max_steps, **world):
     sems = {k: v for k, v in DEVICE.items() if k in backends or k == "gloo"}
+    if "staging" in world:  # the host backends stage their device buffers
+        world["staged"] = [k for k, v in sems.items() if v != "stream"]
 
     def fails(program):
         for seed in range(3):
             try:
-                check_program(program, seed=seed, backends=sems, engine_factory=engine)
+                check_program(program, seed=seed, backends=sems, engine_factory=engine,
+                              **world)
             except (SimDeadlock, SimMismatch, AssertionError, mcrdl.MCRDLError):
                 return True
         return False
@@ -83,10 +122,11 @@ def _caught(engine, backends, max_steps):
                             kinds=("allreduce", "allgather", "broadcast", "alltoall",
                                    "sendrecv")),
                    fails, settings=SEARCH)
-    print(f"{engine.__name__}: caught with {len(program.steps)} step(s):")
+    print(f"{(engine or world['staging']).__name__}: caught with {len(program.steps)} step(s):")
     for step in program.steps:
         print(f"  {step}")
-    check_program(program, seed=0, backends=sems)  # the real engine gets it right
+    # the real engine and staging get it right
+    check_program(program, seed=0, backends=sems, staged=world.get("staged", ()))
 
 
 def test_missing_event_wait_between_streams_is_caught():
@@ -99,6 +139,14 @@ def test_ignoring_the_callers_stream_is_caught():
 
 def test_host_lane_going_on_at_enqueue_is_caught():
     _caught(HostOnEnqueueEngine, ("mpi", "nccl"), 5)
+
+
+def test_a_host_call_before_the_copy_from_the_device_is_caught():
+    _caught(None, ("mpi", "nccl"), 4, staging=CopyInIgnoredBackend)
+
+
+def test_finishing_before_the_copy_back_is_caught():
+    _caught(None, ("mpi", "nccl"), 4, staging=CopyBackIgnoredBackend)
 
 
 # -- the rules, one by one ----------------------------------------------------------------
@@ -323,3 +371,62 @@ def test_an_alltoallv_routed_by_size_on_device_buffers():
     zero, one = world.run(program)
     assert zero == ([0.0, 1.0, 10.0, 11.0, 12.0, 13.0, 14.0], "mpi", [0.0, 10.0], "nccl")
     assert one == ([2.0, 3.0, 4.0, 5.0, 15.0], "mpi", [1.0, 11.0], "nccl")
+
+
+# -- staging, one by one ----------------------------------------------------------------
+
+def _staged_run(program, **world):
+    return SimWorld(2, {"mpi": "windowed", "gloo": "mpi"}, device=True,
+                    staged=("mpi", "gloo"), **world).run(program)
+
+
+def test_a_staged_backend_says_so_in_its_capabilities():
+    def program(comm):
+        caps = comm.runtime.backend("mpi").capabilities
+        return sorted(caps.devices), sorted(caps.staged)
+
+    assert _staged_run(program) == [(["cpu", "simgpu"], ["simgpu"])] * 2
+
+
+def test_a_staged_operation_reads_after_the_callers_kernel_and_returns_on_the_device():
+    def program(comm):
+        dev = _device(comm)
+        x = dev.array(np.zeros(4))
+
+        def fill():
+            x[:] = comm.rank + 1
+
+        dev.launch(fill, steps=20)
+        out = comm.allgather(x, backend="gloo").wait()
+        y = dev.array(np.full(3, 10.0 * (comm.rank + 1)))
+        comm.allreduce(y, backend="mpi").wait()  # in place: copied in, and back
+        return type(out).__name__, out.device, out.tolist(), y.tolist()
+
+    for kind, device, out, y in _staged_run(program):
+        assert (kind, device) == ("SimArray", "simgpu:0")
+        assert out == [1.0] * 4 + [2.0] * 4 and y == [30.0] * 3
+
+
+def test_host_calls_keep_the_order_the_engine_started_them_in():
+    """A send of host memory behind a send of device memory on the same lane: its host call
+    waits until the first one's is made (the copy from the device runs late), or the
+    receiver would match them the other way round."""
+
+    def program(comm):
+        dev = _device(comm)
+        if comm.rank == 0:
+            dev.launch(lambda: None, steps=30)  # the caller's stream busy: x's gate opens late
+            x = dev.array(np.full(2, 1.0))
+            first = comm.send(x, 1, backend="mpi")
+            dev.synchronize()  # now x's send is started; its copy takes some steps more
+            second = comm.send(np.full(2, 2.0), 1, backend="mpi")
+            first.wait()
+            second.wait()
+            return None
+        a, b = np.zeros(2), np.zeros(2)
+        comm.recv(a, 0, backend="mpi").wait()
+        comm.recv(b, 0, backend="mpi").wait()
+        return a.tolist(), b.tolist()
+
+    for seed in range(4):
+        assert _staged_run(program, seed=seed, max_delay=6)[1] == ([1.0, 1.0], [2.0, 2.0])
