@@ -219,12 +219,12 @@ def test_op_must_be_a_reduce_op(comm):
 def test_unknown_and_unavailable_backends(backends):
     runtime = Runtime(Config(progress_thread=False), None, {"mpi": backends["mpi"]})
     comm = runtime.world
-    with pytest.raises(UnknownBackendError, match=exact("unknown backend 'ncl'; known: gloo, mpi, nccl, sim")):
+    with pytest.raises(UnknownBackendError, match=exact("unknown backend 'ncl'; known: cupy-nccl, gloo, mpi, nccl, sim")):
         comm.allreduce(torch.ones(4), backend="ncl")
     with pytest.raises(BackendUnavailableError, match=exact(
             "backend 'gloo' is not available in this runtime; available: mpi")):
         comm.allreduce(torch.ones(4), backend="gloo")
-    with pytest.raises(UnknownBackendError, match=exact("unknown backend 'ncl'; known: gloo, mpi, nccl, sim")):
+    with pytest.raises(UnknownBackendError, match=exact("unknown backend 'ncl'; known: cupy-nccl, gloo, mpi, nccl, sim")):
         mcrdl.backends.backend_class("ncl")
 
 

@@ -16,6 +16,7 @@ _ENTRIES: dict[str, str] = {
     "mpi": "mcrdl.backends.mpi:MPIBackend",
     "gloo": "mcrdl.backends.gloo:GlooBackend",
     "nccl": "mcrdl.backends.nccl:NCCLBackend",
+    "cupy-nccl": "mcrdl.backends.cupy_nccl:CupyNCCLBackend",
     "sim": "mcrdl.backends.sim:SimBackend",
 }
 
