@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--budget", type=float, default=0.1,
                        help="seconds of timed iterations per point (after warm-up)")
         s.add_argument("--warmup", type=int, default=5)
+        s.add_argument("--device", default="cpu",
+                       help="where the buffers are: cpu, cuda (the current GPU), or both "
+                            "(cpu,cuda)")
         s.add_argument("--no-progress", action="store_true", help="no progress bar")
         if name == "bench":
             s.add_argument("--format", choices=("table", "osu", "csv", "json"), default="table")
@@ -184,9 +187,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    else [b.strip() for b in args.backends.split(",")])
         if args.command == "bench" and not args.backends:
             names.append(None)  # auto
-        points = sweep(comm, ops, sizes, dtypes, names,
-                       raw=args.command == "bench" and not args.no_raw, warmup=args.warmup,
-                       budget=args.budget, progress=not args.no_progress)
+        points = []
+        for device in (d.strip() for d in args.device.split(",") if d.strip()):
+            try:
+                points += sweep(comm, ops, sizes, dtypes, names,
+                                raw=args.command == "bench" and not args.no_raw,
+                                warmup=args.warmup, budget=args.budget,
+                                progress=not args.no_progress, device=device)
+            except ValueError as exc:  # (every rank finds the same)
+                if comm.rank == 0:
+                    print(f"--device {args.device}: {exc}", file=sys.stderr)
+                return 2
         if comm.rank != 0:
             return 0
         meta = provenance(comm)
@@ -216,18 +227,22 @@ def _report(points: Any, meta: dict[str, Any], args: Any, ranks: int) -> int:
 def _write_table(points: Any, meta: dict[str, Any], path: str) -> int:
     from .tuning import TuningTable
 
-    latencies: dict[tuple[str, str, int, int], dict[str, float]] = {}
+    by_device: dict[str, dict[tuple[str, str, int, int], dict[str, float]]] = {}
     for p in points:
-        latencies.setdefault((p.op, p.dtype if p.op != "barrier" else "none",
-                              meta["world_size"], p.nbytes), {})[p.backend] = p.time_us
-    table = TuningTable.from_measurements(latencies, meta)
+        by_device.setdefault(p.device, {}).setdefault(
+            (p.op, p.dtype if p.op != "barrier" else "none", meta["world_size"], p.nbytes),
+            {})[p.backend] = p.time_us
+    tables = [TuningTable.from_measurements(latencies, meta, device=device)
+              for device, latencies in by_device.items()]
+    table = TuningTable([e for t in tables for e in t.entries], meta)
     table.save(path)
     print(f"wrote {path}: {len(table.entries)} ranges over {len(points)} measurements, "
           f"hash {table.hash[:12]}")
     for e in table.entries:
         hi = "inf" if e.max_bytes is None else e.max_bytes
-        print(f"  {e.op:<15} {e.dtype:<9} n={e.comm_size} [{e.min_bytes}, {hi}) -> {e.backend}"
-              f" (margin {e.margin:.2f}x)")
+        on = "" if e.device == "cpu" else f" on {e.device}"
+        print(f"  {e.op:<15} {e.dtype:<9}{on} n={e.comm_size} [{e.min_bytes}, {hi}) -> "
+              f"{e.backend} (margin {e.margin:.2f}x)")
     return 0
 
 

@@ -140,7 +140,7 @@ def test_init_from_a_given_store():
 
 
 def test_unknown_backend_at_init():
-    with pytest.raises(UnknownBackendError, match=r"^unknown backend 'glo'; known: gloo, mpi, nccl, sim$"):
+    with pytest.raises(UnknownBackendError, match=r"^unknown backend 'glo'; known: cupy-nccl, gloo, mpi, nccl, sim$"):
         mcrdl.init(backends=["glo"])
     assert mcrdl.current_runtime() is None
 
@@ -216,3 +216,16 @@ def test_an_abandoned_mpi_group_is_never_freed(world):
     mpi.abandon(group)
     mpi.free_group(group)
     assert comm.Get_size() == 1  # still a live communicator (freed, it would be COMM_NULL)
+
+
+def test_a_sweep_runs_where_its_buffers_can_be(world):
+    from mcrdl.tuning._bench import sweep
+
+    points = sweep(world, ["allreduce"], [64], ["float32"], ["mpi"], raw=False, budget=0.001,
+                   warmup=1)
+    assert [(p.backend, p.device) for p in points] == [("mpi", "cpu")]
+    with pytest.raises(ValueError, match="device='tpu': sweeps run on 'cpu' or 'cuda'"):
+        sweep(world, ["allreduce"], [64], ["float32"], ["mpi"], device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda', but torch sees no CUDA device"):
+            sweep(world, ["allreduce"], [64], ["float32"], ["mpi"], device="cuda")

@@ -142,3 +142,12 @@ def test_the_table_is_keyed_by_device():
     assert TuningTable([cpu]).hash == hashlib.sha256((FORMAT + canon).encode()).hexdigest()
     assert t.hash != TuningTable([cpu, Entry("allreduce", "float32", 2, 0, None, "nccl",
                                              device="simgpu")]).hash
+
+
+def test_measurements_on_a_device_make_entries_for_that_device():
+    t = TuningTable.from_measurements(MEASURED, device="cuda")
+    assert {e.device for e in t.entries} == {"cuda"}
+    both = TuningTable([*TuningTable.from_measurements(MEASURED).entries, *t.entries])
+    for op, dtype, n, nbytes in MEASURED:
+        assert (both.lookup(op, dtype, n, nbytes, device="cuda")
+                == both.lookup(op, dtype, n, nbytes) is not None)

@@ -4,7 +4,13 @@ Sizes are *global* message sizes (see ``_table``). For every point all ranks run
 number of iterations, decided by rank 0 from the warm-up and broadcast (a rank deciding for
 itself from its own timings would desynchronize the ranks); a point's time is the median
 over iterations of the slowest rank. Raw mpi4py (blocking calls on the same buffers' numpy
-views) and raw torch.distributed (gloo) can be measured in the same run, as baselines.
+views) and raw torch.distributed (gloo; NCCL for CUDA buffers) can be measured in the same
+run, as baselines.
+
+On a GPU (``device="cuda"``) the buffers are CUDA tensors: mcrdl's ``.wait()`` returns once
+the operation has run on the device, and a raw torch.distributed call is followed by
+``torch.cuda.synchronize()`` so that both are timed to the same point. Raw mpi4py is left
+out there (this MPI is not given device memory).
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ class Point:
     iters: int
     root: int
     redop: str
+    device: str = "cpu"
 
     def as_dict(self) -> dict[str, Any]:
         """The point as a flat dict (CSV and JSON rows)."""
@@ -98,8 +105,9 @@ def _global_bytes(op: str, elems: int, itemsize: int, n: int) -> int:
 class _Raw:
     """The raw baselines' callables for one point (None where a baseline cannot run it)."""
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Any, device: str = "cpu") -> None:
         self.comm = comm
+        self.device = device
         self.mpi = None
         if "mpi" in comm.backends:
             from mpi4py import MPI
@@ -109,16 +117,20 @@ class _Raw:
         self.dist = None
         import torch.distributed as dist
 
-        if "gloo" in comm.backends:
+        if "gloo" in comm.backends or device != "cpu":
             if not dist.is_initialized():
+                import torch
+
                 store = dist.PrefixStore(  # type: ignore[attr-defined]
                     "mcrdl/bench/raw", comm.runtime.bootstrap.store())
-                dist.init_process_group("gloo", store=store, rank=comm.rank,
-                                        world_size=comm.size)
+                # (NCCL connects at its first call: nothing is paid on a host-only sweep)
+                gpu = torch.cuda.is_available() and dist.is_nccl_available()
+                dist.init_process_group("cpu:gloo,cuda:nccl" if gpu else "gloo", store=store,
+                                        rank=comm.rank, world_size=comm.size)
             self.dist = dist
 
     def mpi_call(self, op: str, t: Any, out: Any, redop: ReduceOp) -> Callable[[], Any] | None:
-        if self.mpi is None:
+        if self.mpi is None or self.device != "cpu":
             return None
         import torch
 
@@ -171,7 +183,18 @@ class _Raw:
                                                      _split(t.numel(), n)[0]),
             "barrier": lambda: d.barrier(),
         }
-        return calls[op]
+        call: Callable[[], Any] = calls[op]
+        if self.device == "cpu":
+            return call
+        import torch
+
+        sync = torch.cuda.synchronize
+
+        def on_device() -> None:  # (NCCL returns once the work is queued)
+            call()
+            sync()
+
+        return on_device
 
 
 def _mcrdl_call(comm: Any, op: str, t: Any, out: Any, redop: ReduceOp,
@@ -245,25 +268,36 @@ def sweep(
     budget: float = 0.2,
     max_iters: int = 10000,
     progress: bool = False,
+    device: str = "cpu",
 ) -> list[Point]:
     """Measure every (op, size, dtype, backend); ``None`` in ``backends`` means auto.
 
-    Points a backend cannot run (a dtype it cannot reduce, say) are left out.
+    ``device``: where the buffers are (``"cpu"``, ``"cuda"``: the current GPU). Points a
+    backend cannot run (a dtype it cannot reduce, a device it cannot reach) are left out.
+
+    Raises:
+        ValueError: ``device`` is not ``"cpu"`` or ``"cuda"``, or there is no GPU here.
     """
     import torch
+
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: sweeps run on 'cpu' or 'cuda'")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda', but torch sees no CUDA device here")
+    where = torch.device(device, torch.cuda.current_device()) if device == "cuda" else device
 
     n = comm.size
     plan = [(op, dtype, size) for op in ops for dtype in dtypes
             for size in (sizes if op != "barrier" else [0])]
-    rawer = _Raw(comm) if raw else None
+    rawer = _Raw(comm, device) if raw else None
     points: list[Point] = []
     total = len(plan)
     for step, (op, dtype, size) in enumerate(plan):
         itemsize = _itemsize(dtype)
         elems = _elements(op, size, itemsize, n) if op != "barrier" else 1
         tdtype = getattr(torch, dtype)
-        t = torch.zeros(elems, dtype=tdtype)
-        out = torch.zeros(_out_elements(op, elems, n), dtype=tdtype)
+        t = torch.zeros(elems, dtype=tdtype, device=where)
+        out = torch.zeros(_out_elements(op, elems, n), dtype=tdtype, device=where)
         nbytes = _global_bytes(op, elems, itemsize, n)
         candidates: list[tuple[str, Callable[[], Any] | None]] = [
             (b or "auto", _mcrdl_call(comm, op, t, out, redop, b)) for b in backends]
@@ -271,7 +305,7 @@ def sweep(
             candidates.append((RAW_MPI, rawer.mpi_call(op, t, out, redop)))
             candidates.append((RAW_TORCH, rawer.torch_call(op, t, out, redop)))
         for name, call in candidates:
-            if call is None or not _runs(comm, name, op, dtype, redop):
+            if call is None or not _runs(comm, name, op, dtype, redop, str(t.device)):
                 continue
             seconds, iters = _timed(comm, call, warmup, budget, max_iters)
             us = seconds * 1e6
@@ -279,7 +313,7 @@ def sweep(
             points.append(Point(op, dtype, nbytes, elems, name, round(us, 3), round(algbw, 4),
                                 round(algbw * BUS_FACTOR(op, n), 4), iters,
                                 0 if op in _ROOTED else -1,
-                                redop.value if op in _REDUCING else "none"))
+                                redop.value if op in _REDUCING else "none", device))
         if progress and comm.rank == 0:
             _bar(step + 1, total, f"{op} {dtype} {size}B")
     if progress and comm.rank == 0:
@@ -287,8 +321,9 @@ def sweep(
     return points
 
 
-def _runs(comm: Any, name: str, op: str, dtype: str, redop: ReduceOp) -> bool:
-    """Whether mcrdl can run this point on backend ``name`` (the raw ones: always)."""
+def _runs(comm: Any, name: str, op: str, dtype: str, redop: ReduceOp, device: str) -> bool:
+    """Whether mcrdl can run this point on backend ``name`` with buffers on ``device`` (the
+    raw ones: always)."""
     if name in (RAW_MPI, RAW_TORCH):
         return True
     from .._types import OpKind
@@ -296,7 +331,7 @@ def _runs(comm: Any, name: str, op: str, dtype: str, redop: ReduceOp) -> bool:
     try:
         comm._selector.choose(comm._slots, OpKind(op), DType(dtype) if op != "barrier" else None,
                               redop if op in _REDUCING else None,
-                              None if name == "auto" else name, comm.size)
+                              None if name == "auto" else name, comm.size, device)
     except MCRDLError:
         return False
     return True

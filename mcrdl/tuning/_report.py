@@ -17,10 +17,15 @@ _TYPES = {"float32": "float", "float64": "double", "float16": "half", "bfloat16"
 
 
 def _groups(points: Sequence[Point]) -> dict[tuple[str, str], list[Point]]:
+    """Points by (op, what they ran on): the dtype, and the device unless it is the CPU."""
     out: dict[tuple[str, str], list[Point]] = {}
     for p in points:
-        out.setdefault((p.op, p.dtype), []).append(p)
+        out.setdefault((p.op, _on(p)), []).append(p)
     return out
+
+
+def _on(p: Point) -> str:
+    return p.dtype if p.device == "cpu" else f"{p.dtype} on {p.device}"
 
 
 def as_table(points: Sequence[Point], ranks: int) -> str:
@@ -44,7 +49,7 @@ def as_osu(points: Sequence[Point]) -> str:
     lines = []
     by: dict[tuple[str, str, str], list[Point]] = {}
     for p in points:
-        by.setdefault((p.op, p.dtype, p.backend), []).append(p)
+        by.setdefault((p.op, _on(p), p.backend), []).append(p)
     for (op, dtype, backend), pts in by.items():
         lines.append(f"# mcrdl {op.capitalize()} Latency Test ({dtype}, {backend})")
         lines.append(f"# {'Size':<10} {'Latency (us)':>14}")

@@ -143,8 +143,10 @@ class TuningTable:
         provenance: Mapping[str, Any] | None = None,
         *,
         noise: float = 1.10,
+        device: str = "cpu",
     ) -> TuningTable:
-        """Build a table from ``{(op, dtype, comm_size, nbytes): {backend: µs}}``.
+        """Build a table from ``{(op, dtype, comm_size, nbytes): {backend: µs}}``, measured
+        on buffers on ``device`` (a kind: ``"cpu"``, ``"cuda"``).
 
         Each measured size decides the range from itself up to the next measured size (the
         first also covers everything below it); adjacent ranges with the same winner merge.
@@ -177,11 +179,11 @@ class TuningTable:
                 if ranges and ranges[-1].backend == best:
                     last = ranges[-1]
                     ranges[-1] = Entry(op, dtype, n, last.min_bytes, hi, best, last.latency_us,
-                                       min(last.margin, margin), last.measured_bytes)
+                                       min(last.margin, margin), last.measured_bytes, device)
                 else:
                     ranges.append(Entry(op, dtype, n, lo, hi, best,
                                         {k: round(v, 3) for k, v in lat.items()},
-                                        round(margin, 3), nbytes))
+                                        round(margin, 3), nbytes, device))
             entries.extend(ranges)
         return cls(entries, provenance)
 
