@@ -10,6 +10,8 @@ with a GPU.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -20,6 +22,7 @@ pytestmark = [
 ]
 
 import mcrdl  # noqa: E402
+from mcrdl.backends.cupy_nccl import CupyNCCLBackend  # noqa: E402
 
 #: Cycles of torch.cuda._sleep that make a kernel outlast any race (~1 ms on an H200).
 SLOW = 2_000_000
@@ -28,45 +31,76 @@ SLOW = 2_000_000
 @pytest.fixture(scope="module")
 def comm():
     torch.cuda.set_device(0)
-    world = mcrdl.init(backends=["gloo", "nccl"])
+    mpi = ["mpi"] if importlib.util.find_spec("mpi4py") else []
+    cupy = ["cupy-nccl"] if CupyNCCLBackend.is_available() else []
+    world = mcrdl.init(backends=["gloo", "nccl", *mpi, *cupy])
     yield world
     mcrdl.finalize()
 
 
-def test_the_device_is_reached_by_nccl_only(comm):
+def test_nccl_first_and_gloo_staged(comm):
     x = torch.ones(4, device="cuda")
     fut = comm.allreduce(x)
     assert fut.lane.backend_name == "nccl"  # a stream-ordered backend first for device memory
     fut.wait()
-    with pytest.raises(mcrdl.UnsupportedOperationError, match="gloo cannot reach cuda:0"):
-        comm.allreduce(x, backend="gloo")
+    caps = comm.runtime.backend("gloo").capabilities
+    assert "cuda" in caps.devices and caps.staged == frozenset({"cuda"})
 
 
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_every_operation_staged_through_host_memory(comm, backend):
+    """gloo, and MPI without CUDA support, on CUDA tensors: copied to pinned host memory on
+    a copy stream after the caller's work, and back before the operation is done."""
+    _up(comm, backend)
+    x = torch.zeros(1 << 16, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLOW)  # the caller's stream is busy...
+    x.fill_(3.0)  # ...then writes the input; no host synchronization from here on
+    out = comm.allgather(x, backend=backend).wait()
+    assert out.device == x.device and bool((out == 3.0).all())
+    y = torch.arange(8.0, device="cuda")
+    assert torch.equal(comm.allreduce(y.clone(), backend=backend).wait(), y)
+    assert torch.equal(comm.broadcast(y.clone(), backend=backend).wait(), y)
+    assert torch.equal(comm.alltoall(y, backend=backend).wait(), y)
+    assert torch.equal(comm.reduce_scatter(y, backend=backend).wait(), y)
+    assert torch.equal(comm.alltoallv(y, [8], [8], backend=backend).wait(), y)
+    assert torch.equal(comm.allreduce(y.clone(), mcrdl.ReduceOp.AVG, backend=backend).wait(), y)
+
+
+def _up(comm, backend):
+    if backend not in comm._slots:
+        pytest.skip(f"{backend} is not up here (not installed)")
+
+
+@pytest.mark.parametrize("backend", ["nccl", "cupy-nccl"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
-def test_every_operation_on_nccl(comm, dtype):
+def test_every_operation_on_nccl(comm, dtype, backend):
+    _up(comm, backend)
     dev = "cuda"
     x = torch.arange(8, device=dev).to(dtype)
-    assert torch.equal(comm.allreduce(x.clone(), backend="nccl").wait(), x)
-    assert torch.equal(comm.broadcast(x.clone(), backend="nccl").wait(), x)
-    assert torch.equal(comm.reduce(x.clone(), backend="nccl").wait(), x)
-    assert torch.equal(comm.allgather(x, backend="nccl").wait(), x)
-    assert torch.equal(comm.gather(x, backend="nccl").wait(), x)
-    assert torch.equal(comm.scatter(x, backend="nccl").wait(), x)
-    assert torch.equal(comm.reduce_scatter(x, backend="nccl").wait(), x)
-    assert torch.equal(comm.alltoall(x, backend="nccl").wait(), x)
-    assert torch.equal(comm.alltoallv(x, [8], [8], backend="nccl").wait(), x)
-    comm.barrier(backend="nccl").wait()
+    assert torch.equal(comm.allreduce(x.clone(), backend=backend).wait(), x)
+    assert torch.equal(comm.broadcast(x.clone(), backend=backend).wait(), x)
+    assert torch.equal(comm.reduce(x.clone(), backend=backend).wait(), x)
+    assert torch.equal(comm.allgather(x, backend=backend).wait(), x)
+    assert torch.equal(comm.gather(x, backend=backend).wait(), x)
+    assert torch.equal(comm.scatter(x, backend=backend).wait(), x)
+    assert torch.equal(comm.reduce_scatter(x, backend=backend).wait(), x)
+    assert torch.equal(comm.alltoall(x, backend=backend).wait(), x)
+    assert torch.equal(comm.alltoallv(x, [8], [8], backend=backend).wait(), x)
+    comm.barrier(backend=backend).wait()
     if dtype.is_floating_point:
-        assert torch.equal(comm.allreduce(x.clone(), mcrdl.ReduceOp.AVG, backend="nccl").wait(),
+        assert torch.equal(comm.allreduce(x.clone(), mcrdl.ReduceOp.AVG, backend=backend).wait(),
                            x)
 
 
-def test_an_operation_reads_what_a_kernel_queued_before_it_wrote(comm):
+@pytest.mark.parametrize("backend", ["nccl", "cupy-nccl"])
+def test_an_operation_reads_what_a_kernel_queued_before_it_wrote(comm, backend):
+    _up(comm, backend)
     x = torch.zeros(1 << 20, device="cuda")
     torch.cuda.synchronize()
     torch.cuda._sleep(SLOW)  # the caller's stream is busy...
     x.fill_(3.0)  # ...then writes the input; no host synchronization from here on
-    out = comm.allgather(x, backend="nccl").wait()
+    out = comm.allgather(x, backend=backend).wait()
     assert bool((out == 3.0).all())
 
 
@@ -93,3 +127,22 @@ def test_a_tensor_dropped_in_flight_is_not_reused_early(comm):
     others = [torch.full((1 << 20,), -1.0, device="cuda") for _ in range(4)]
     assert bool((fut.wait() == 7.0).all())
     del others
+
+
+def test_a_sweep_on_the_gpu_against_raw_nccl(comm):
+    from mcrdl.tuning import TuningTable
+    from mcrdl.tuning._bench import sweep
+
+    points = sweep(comm, ["allreduce", "alltoall"], [4, 1 << 20], ["float32"],
+                   ["nccl", "gloo", None], budget=0.01, warmup=2, device="cuda")
+    names = {(p.op, p.backend) for p in points}
+    for op in ("allreduce", "alltoall"):
+        assert {(op, "nccl"), (op, "gloo"), (op, "auto"), (op, "raw-torch")} <= names
+    assert {p.device for p in points} == {"cuda"}
+    assert not [p for p in points if p.backend == "raw-mpi4py"]  # MPI gets no device memory
+    latencies = {}
+    for p in points:
+        if p.backend in ("nccl", "gloo"):
+            latencies.setdefault((p.op, p.dtype, 1, p.nbytes), {})[p.backend] = p.time_us
+    table = TuningTable.from_measurements(latencies, device="cuda")
+    assert table.lookup("allreduce", "float32", 1, 4, device="cuda") in ("nccl", "gloo")
