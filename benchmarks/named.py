@@ -1,6 +1,7 @@
 """What naming collectives costs (rule 8: matched by name in an order the members agree on).
 
     mpiexec -n 2 python benchmarks/named.py [--backend mpi] [--sizes 4,64K,4M] [--inflight 1,8,64]
+                                            [--loop asyncio|uvloop]
 
 A *step* submits ``k`` allreduces of one size, and waits for them all: in mode ``tasks`` each
 from an asyncio task of its own (the way gradient buckets or pipeline micro-batches run), in
@@ -42,12 +43,19 @@ def main() -> None:
     parser.add_argument("--backend", default="mpi")
     parser.add_argument("--sizes", default="4,64K,4M")
     parser.add_argument("--inflight", default="1,8,64")
+    parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
+                        help="the event loop of mode tasks")
     args = parser.parse_args()
     sizes = parse_sizes(args.sizes)
     ks = [int(k) for k in args.inflight.split(",")]
     comm = mcrdl.init()
     backend = args.backend
-    loop = asyncio.new_event_loop()
+    if args.loop == "uvloop":
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    else:
+        loop = asyncio.new_event_loop()
     rows = []
     for size in sizes:
         for k in ks:
@@ -88,7 +96,7 @@ def main() -> None:
     mcrdl.finalize()
     if rank:
         return
-    print(f"# named vs unnamed allreduce on {backend}, {size_w} ranks, asyncio tasks "
+    print(f"# named vs unnamed allreduce on {backend}, {size_w} ranks, tasks on {args.loop} "
           f"(median per operation, rank 0)")
     print(f"{'mode':<5} {'size':>6} {'in flight':>9} | {'unnamed µs':>10} {'named µs':>10} "
           f"{'ratio':>6} {'rounds/step':>11}")

@@ -146,3 +146,20 @@ def test_a_sweep_on_the_gpu_against_raw_nccl(comm):
             latencies.setdefault((p.op, p.dtype, 1, p.nbytes), {})[p.backend] = p.time_us
     table = TuningTable.from_measurements(latencies, device="cuda")
     assert table.lookup("allreduce", "float32", 1, 4, device="cuda") in ("nccl", "gloo")
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpi"])
+def test_two_ranks_share_one_gpu_over_staged_host_backends(launcher):
+    import shutil
+    from pathlib import Path
+
+    from tests.launch import BIN, run_ranks
+
+    if launcher == "mpi" and (not importlib.util.find_spec("mpi4py")
+                              or not shutil.which("mpiexec", path=f"{BIN}:/usr/bin:/usr/local/bin")):
+        pytest.skip("no mpiexec here")
+    backends = "gloo" if launcher == "torchrun" else "mpi,gloo"
+    script = str(Path(__file__).with_name("shared_gpu.py"))
+    proc = run_ranks(2, [script, backends], timeout=180, launcher=launcher)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert "shared GPU ok" in proc.stdout
