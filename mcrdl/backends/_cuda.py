@@ -49,8 +49,11 @@ class CudaDevice(Device):
         return self._torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True)
 
     def copy(self, dst: Any, src: Any, stream: Any) -> None:
-        # Both tensors stay referenced (by the staged request) until an event recorded after
-        # the copy has been reached, so the caching allocator cannot hand their memory out
-        # while the copy stream still uses it.
+        # The staged request holds both tensors until an event after the copy is reached; the
+        # device one is also recorded on the copy stream, so that the caching allocator does
+        # not hand its memory out before the copy has run even if the request is dropped
+        # first (cancelled while its copy was queued). Pinned host memory is kept by torch's
+        # host allocator until the copies that use it have run.
         with self._cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
+        (src if src.is_cuda else dst).record_stream(stream)
