@@ -204,6 +204,7 @@ class Communicator:
         checks a named collective by its signature, which travels with its name, instead of
         by its position.
         """
+        device = self._device_of(args) if self._devices else None  # (may refuse: first)
         if name is not None:  # on its backend's named lane, placed where the members agree
             _check_name(name)
             self._seq = seq = self._seq + 1
@@ -211,15 +212,13 @@ class Communicator:
             fut = CommFuture(_NAMES[kind], named.lane, seq, start, (named.group, *args[1:]),
                              reads, writes, result, nbytes, finish, hold)
             fut.name = name
-            if self._devices:
-                fut.device = self._device_of(args)
+            fut.device = device
             sig = self._signature(kind, slot.backend.name, args)
             return self._engine.submit(fut, after, named=(self._names, sig))
         self._seq = seq = self._seq + 1
         fut = CommFuture(_NAMES[kind], slot.lane, seq, start, args, reads, writes, result,
                          nbytes, finish, hold, stream)
-        if self._devices:
-            fut.device = self._device_of(args)
+        fut.device = device
         if self._debug is not None and kind in COLLECTIVES:
             after = self._checked(kind, None if route else slot.backend.name, args, after)
         return self._engine.submit(fut, after, route)
@@ -229,7 +228,13 @@ class Communicator:
         that an operation's buffers share one device)."""
         for arg in args:
             if type(arg) is Buffer and arg.device != "cpu":
-                return self._devices[arg.device]
+                device = self._devices.get(arg.device)
+                if device is None:
+                    raise ValueError(
+                        f"a buffer is on {arg.device}, but this runtime reaches "
+                        f"{', '.join(sorted(self._devices))} (the GPU current at init()); call "
+                        f"torch.cuda.set_device(...) before mcrdl.init(), one GPU per process")
+                return device
         return None
 
     def _checked(self, kind: OpKind, backend: str | None, args: tuple[Any, ...],

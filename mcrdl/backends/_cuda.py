@@ -54,6 +54,8 @@ class CudaDevice(Device):
         # not hand its memory out before the copy has run even if the request is dropped
         # first (cancelled while its copy was queued). Pinned host memory is kept by torch's
         # host allocator until the copies that use it have run.
+        # (detached: a parameter's gradient has nothing to do with its bytes moving)
+        dst, src = dst.detach(), src.detach()
         with self._cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
         (src if src.is_cuda else dst).record_stream(stream)

@@ -27,13 +27,14 @@ allreduce's, a broadcast's off the root, a reduce's at the root, and every secon
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from .._buffers import Buffer, new_buffer
-from .._errors import StartError
+from .._errors import BackendError, StartError
 from .._types import OpKind
 from ._contract import Backend, Capabilities, Group, Request
 from ._device import Device
@@ -99,8 +100,8 @@ def _make_start(op: str) -> Callable[..., Request]:
     def start(self: StagedBackend, group: Any, *args: Any) -> Request:
         on_device = [i for i, a in enumerate(args) if type(a) is Buffer and a.device != "cpu"]
         queue = self._queues.get(group)
-        if not on_device and not queue:  # nothing to copy, nothing to wait behind
-            return getattr(self.inner, name)(group, *args)
+        if not on_device and not queue and group not in self._failed:
+            return getattr(self.inner, name)(group, *args)  # nothing to copy or wait behind
         return self._stage(op, getattr(self.inner, name), group, args, on_device)
 
     start.__name__ = name
@@ -178,10 +179,10 @@ class StagedBackend(Backend):
             stream = self._stream(device)
             for i in on_device:
                 buf: Buffer = args[i]
+                host = device.host_like(buf.obj)  # (an empty one too: backends compare devices)
+                host_args[i] = new_buffer(host, buf.is_torch, buf.dtype)
                 if not buf.nbytes:
                     continue
-                host = device.host_like(buf.obj)
-                host_args[i] = new_buffer(host, buf.is_torch, buf.dtype)
                 keep.append((buf.obj, host))
                 read, written = _roles(op, i, group, args)
                 if read:
@@ -198,6 +199,9 @@ class StagedBackend(Backend):
         queue.append(staged)
         self._live += 1
         self._advance(group)
+        if staged.error is not None:  # its own host call failed now: the engine hears at once
+            self._release(staged)
+            raise staged.error
         return staged
 
     def _device(self, name: str) -> Device:
@@ -262,10 +266,16 @@ class StagedBackend(Backend):
             staged.request = None
             if staged.error is not None or not staged.back:
                 return self._finish(staged)
-            stream = self._stream(staged.device)  # type: ignore[arg-type]
-            for dev, host in staged.back:
-                staged.device.copy(dev, host, stream)  # type: ignore[union-attr]
-            staged.event = staged.device.record(stream)  # type: ignore[union-attr]
+            try:
+                stream = self._stream(staged.device)  # type: ignore[arg-type]
+                for dev, host in staged.back:
+                    staged.device.copy(dev, host, stream)  # type: ignore[union-attr]
+                staged.event = staged.device.record(stream)  # type: ignore[union-attr]
+            except Exception as exc:  # noqa: BLE001 - the operation's failure, reported
+                staged.error = BackendError(f"{self.name}: copying the result back to "
+                                            f"{staged.device.name} failed: {exc}")  # type: ignore[union-attr]
+                staged.error.__cause__ = exc
+                return self._finish(staged)
             staged.state = COPY_BACK
         if staged.state == COPY_BACK and not self._copied_back(staged):
             return False
@@ -317,17 +327,16 @@ class StagedBackend(Backend):
         inner = request.request
         if request.state == RUNNING and inner is not None:
             self.inner.block(inner, timeout)
-        return False  # (the copies are short: the caller polls, which moves it on)
+        else:  # copies (short): let the backend's threads run while the caller polls
+            time.sleep(0)
+        return False
 
     def cancel(self, request: Request) -> bool:
         if type(request) is not Staged:
             return self.inner.cancel(request)
-        # Its host call is never made: the engine breaks its communicator, as for any
-        # operation that does not run as issued (rule 7).
-        if request.state == QUEUED:
-            self._queues[request.group].remove(request)
-            self._release(request)
-            return True
+        # Not while its host call is still to be made: the operations queued behind it would
+        # then be made in its place, where the peers match it. Its host call is made (the
+        # copies always finish), as for an operation the host backend cannot cancel.
         if request.state == RUNNING and request.request is not None:
             if self.inner.cancel(request.request):
                 self._release(request)

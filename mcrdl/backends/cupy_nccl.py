@@ -98,10 +98,12 @@ class CupyNCCLBackend(Backend):
         self._nccl = nccl = _nccl()
         self._store = bootstrap.store()
         self.device = CudaDevice(torch.cuda.current_device())
+        # cupy declares every constant whatever NCCL it loads: bfloat16 and AVG need 2.10.
+        recent = nccl.get_version() >= 21000
         self._types = {dt: getattr(nccl, const) for dt, const in _TYPES.items()
-                       if hasattr(nccl, const)}
+                       if hasattr(nccl, const) and (recent or dt is not DType.BFLOAT16)}
         self._ops = {op: getattr(nccl, const) for op, const in _OPS.items()
-                     if hasattr(nccl, const)}
+                     if hasattr(nccl, const) and (recent or op is not ReduceOp.AVG)}
         moved = frozenset(self._types)
         numeric = moved - {DType.BOOL}
         reductions: dict[ReduceOp, frozenset[DType]] = {

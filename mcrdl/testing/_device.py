@@ -115,7 +115,9 @@ class SimDevice(Device):
         return event.reached
 
     def host_like(self, obj: Any) -> np.ndarray[Any, Any]:
-        return np.empty(obj.shape, dtype=obj.dtype)
+        host = np.empty(obj.shape, dtype=obj.dtype)
+        self._world.mirror(host, obj)  # (faults injected on obj fire on its host copy)
+        return host
 
     def copy(self, dst: Any, src: Any, stream: SimStream) -> None:
         """A kernel on ``stream`` (it runs some steps after it reaches the head, as any:

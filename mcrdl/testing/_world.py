@@ -205,6 +205,9 @@ class SimWorld:
         self._streams: dict[tuple[Any, ...], list[SimOp]] = {}
         self._pending: list[SimOp] = []
         self._faults: dict[int, tuple[str, Any]] = {}  # id(buffer object) -> (kind, object)
+        #: id(host copy) -> (host copy, device array) for staged operations (both kept, so
+        #: that the ids stay theirs).
+        self._mirrors: dict[int, tuple[Any, Any]] = {}
         #: Each rank's simulated device (none: a world of host memory only).
         self.devices: list[SimDevice] = (
             [SimDevice(self, rank) for rank in range(size)]
@@ -418,11 +421,18 @@ class SimWorld:
         for obj in objects:
             self._faults[id(obj)] = (kind, obj)  # the object kept: its id stays its own
 
+    def mirror(self, host: Any, device: Any) -> None:
+        """``host`` is the host copy of the device array ``device`` for a staged operation:
+        a fault injected on ``device`` fires on the host call made on ``host``."""
+        self._mirrors[id(host)] = (host, device)
+
     def fault(self, args: tuple[Any, ...]) -> str | None:
         """The fault injected on a buffer among ``args`` (used once), if any."""
         for arg in args:
             if isinstance(arg, Buffer):
-                entry = self._faults.pop(id(arg.obj), None)
+                mirrored = self._mirrors.get(id(arg.obj))
+                obj = arg.obj if mirrored is None else mirrored[1]
+                entry = self._faults.pop(id(obj), None)
                 if entry is not None:
                     return entry[0]
         return None

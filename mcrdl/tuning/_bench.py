@@ -183,10 +183,14 @@ class _Raw:
                                                      _split(t.numel(), n)[0]),
             "barrier": lambda: d.barrier(),
         }
-        call: Callable[[], Any] = calls[op]
         if self.device == "cpu":
-            return call
+            return calls[op]
         import torch
+
+        if op == "barrier":  # (torch's barrier would run on gloo: one element on NCCL)
+            one = torch.ones(1, device=t.device)
+            calls[op] = lambda: d.all_reduce(one)
+        call: Callable[[], Any] = calls[op]
 
         sync = torch.cuda.synchronize
 

@@ -430,3 +430,15 @@ def test_host_calls_keep_the_order_the_engine_started_them_in():
 
     for seed in range(4):
         assert _staged_run(program, seed=seed, max_delay=6)[1] == ([1.0, 1.0], [2.0, 2.0])
+
+
+def test_a_buffer_on_another_device_of_a_kind_the_runtime_reaches_is_refused():
+    def program(comm):
+        x = _device(comm).array(np.ones(4))
+        x._device = "simgpu:1"  # (a second GPU of the process: the runtime has only the first)
+        with pytest.raises(ValueError, match=r"a buffer is on simgpu:1, but this runtime "
+                                             r"reaches simgpu:0 \(the GPU current at init\(\)\)"):
+            comm.allreduce(x, backend="nccl")
+        return comm.allreduce(_device(comm).array(np.ones(2)), backend="nccl").wait().tolist()
+
+    assert _run(program) == [[2.0, 2.0]] * 2
