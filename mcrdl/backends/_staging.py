@@ -22,7 +22,13 @@ Why this cannot hang:
 Which buffers are copied which way (`_roles`): the first buffer of an operation is its input
 (except a receive's, and a broadcast's off the root) and is copied in; a receive's buffer, an
 allreduce's, a broadcast's off the root, a reduce's at the root, and every second buffer (an
-``out``) are outputs, copied back. Empty buffers are not copied.
+``out``) are outputs, copied back. Empty buffers get empty host arrays and no copies.
+
+Failures: a host call that raises fails its operation as a start that failed (at once when
+the call is made as the operation starts, else when it is next tested), and no later call of
+its group is made: those operations fail with StartError too, as a blocking backend's worker
+does (rule 7). An operation whose host call is still to be made is never cancelled: the ones
+queued behind it would be made in its place.
 """
 
 from __future__ import annotations
