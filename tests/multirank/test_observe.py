@@ -18,9 +18,14 @@ def test_logged_operations_give_the_same_results_and_are_summarized(world):
     for step in range(STEPS):
         with mcrdl.span("step"):
             x = torch.full((3000,), float(r + step))       # 12,000 B: the 16K bucket
-            a = world.allreduce(x, backend="mpi")
+            # Flow arrows gloo -> mpi -> gloo: an arrow is drawn for a dependency still
+            # unfinished at submission, and the allreduce alone may finish before the
+            # alltoall is submitted (the trace then had 19 arrows of 20 once); behind the
+            # barrier (~0.1 ms of gloo) it is still pending when the alltoall comes.
+            gate = world.barrier(backend="gloo")
+            a = world.allreduce(x, backend="mpi", after=[gate])
             y = torch.arange(4 * n, dtype=torch.float32) + 100 * r
-            b = world.alltoall(y, backend="gloo", after=[a])  # a flow arrow mpi -> gloo
+            b = world.alltoall(y, backend="gloo", after=[a])
             b.wait()
             assert torch.all(x == sum(range(n)) + n * step)
             want = torch.cat([torch.arange(4 * r, 4 * r + 4, dtype=torch.float32) + 100 * p
