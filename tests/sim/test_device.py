@@ -74,14 +74,14 @@ STAGED_SEMS = {"mpi": "windowed", "gloo": "mpi", "ccl": "blocking", "nccl": "str
 STAGED = ("mpi", "gloo", "ccl")
 
 
-@settings(max_examples=120, deadline=None, database=None,
+@settings(max_examples=80, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(programs(backends=tuple(STAGED_SEMS), device=True), st.integers(0, 2**16))
 def test_staged_device_programs_never_deadlock_and_match_the_reference(program, seed):
     check_program(program, seed=seed, backends=STAGED_SEMS, staged=STAGED)
 
 
-@settings(max_examples=60, deadline=None, database=None,
+@settings(max_examples=30, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(programs(backends=tuple(STAGED_SEMS), device=True, named=True), st.integers(0, 2**16))
 def test_staged_named_device_programs_match_the_reference(program, seed):
