@@ -88,9 +88,7 @@ class Staged:
 def _roles(op: str, index: int, group: Group, args: tuple[Any, ...]) -> tuple[bool, bool]:
     """Whether the device buffer at ``args[index]`` (``args``: a start's arguments after its
     group) is read (copied in) and written (copied back) by ``op`` on this rank."""
-    if index > 0:  # an out
-        return False, True
-    if op == "recv":
+    if index > 0 or op == "recv":  # an out, or what a receive fills
         return False, True
     if op == "broadcast":
         root = args[1] == group.rank
