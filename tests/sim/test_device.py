@@ -27,6 +27,7 @@ from mcrdl.testing import SimArray, SimDeadlock, SimMismatch, SimWorld, check_pr
 
 from mcrdl.tuning import Entry, TuningTable
 
+from . import examples
 from .broken import (
     CopyBackIgnoredBackend,
     CopyInIgnoredBackend,
@@ -39,7 +40,7 @@ from .broken import (
 #: device depend on each other across streams) beside the two host ones.
 DEVICE = {"mpi": "windowed", "gloo": "mpi", "nccl": "stream", "cupy": "stream"}
 
-PROPERTY = settings(max_examples=300, deadline=None, database=None,
+PROPERTY = settings(max_examples=examples(300), deadline=None, database=None,
                     suppress_health_check=list(HealthCheck))
 
 
@@ -49,7 +50,7 @@ def test_device_programs_never_deadlock_and_match_the_reference(program, seed):
     check_program(program, seed=seed, backends=DEVICE)
 
 
-@settings(max_examples=150, deadline=None, database=None,
+@settings(max_examples=examples(150), deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(programs(backends=tuple(DEVICE), device=True, named=True), st.integers(0, 2**16))
 def test_named_device_programs_match_the_reference(program, seed):
@@ -57,7 +58,7 @@ def test_named_device_programs_match_the_reference(program, seed):
     check_program(program, seed=seed, backends=DEVICE)
 
 
-@settings(max_examples=150, deadline=None, database=None,
+@settings(max_examples=examples(150), deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(programs(backends=tuple(DEVICE), device=True, max_faults=1, min_faults=1,
                 max_size=4), st.integers(0, 2**16))
@@ -74,21 +75,21 @@ STAGED_SEMS = {"mpi": "windowed", "gloo": "mpi", "ccl": "blocking", "nccl": "str
 STAGED = ("mpi", "gloo", "ccl")
 
 
-@settings(max_examples=80, deadline=None, database=None,
+@settings(max_examples=examples(50), deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(programs(backends=tuple(STAGED_SEMS), device=True), st.integers(0, 2**16))
 def test_staged_device_programs_never_deadlock_and_match_the_reference(program, seed):
     check_program(program, seed=seed, backends=STAGED_SEMS, staged=STAGED)
 
 
-@settings(max_examples=30, deadline=None, database=None,
+@settings(max_examples=examples(30), deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(programs(backends=tuple(STAGED_SEMS), device=True, named=True), st.integers(0, 2**16))
 def test_staged_named_device_programs_match_the_reference(program, seed):
     check_program(program, seed=seed, backends=STAGED_SEMS, staged=STAGED)
 
 
-@settings(max_examples=60, deadline=None, database=None,
+@settings(max_examples=examples(60), deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(programs(backends=tuple(STAGED_SEMS), device=True, max_faults=1, min_faults=1,
                 max_size=4), st.integers(0, 2**16))

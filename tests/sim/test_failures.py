@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import mcrdl
 from mcrdl.testing import SimDeadlock, SimWorld, check_program, programs
 
+from . import examples
 from .broken import PerRankSelector
 
 SEMS = {"mpi": "mpi", "gloo": "mpi"}
@@ -56,7 +57,7 @@ def test_the_same_choice_without_debug_mode_hangs_and_the_world_says_so():
         world.run(lambda comm: comm.allreduce(np.ones(3)).wait())
 
 
-DEBUG = settings(max_examples=60, deadline=None, database=None,
+DEBUG = settings(max_examples=examples(60), deadline=None, database=None,
                  suppress_health_check=list(HealthCheck))
 
 

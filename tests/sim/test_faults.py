@@ -21,6 +21,7 @@ from mcrdl.testing import FAULTS, SimWorld, check_program, programs
 from mcrdl.testing._programs import Fault, Program, Region, Step
 from mcrdl.tuning import Entry, TuningTable
 
+from . import examples
 from .broken import LaneGoesOnEngine
 
 MPI_LIKE = {"mpi": "windowed", "gloo": "mpi"}
@@ -36,7 +37,7 @@ def _check(program, seed, backends):
                                    for e in (r.engine for r in world.runtimes))
 
 
-@settings(max_examples=300, deadline=None, database=None,
+@settings(max_examples=examples(300), deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(programs(backends=tuple(MPI_LIKE), min_faults=1, max_faults=3, faults=FAULTS),
        st.integers(0, 2**16))
@@ -44,7 +45,7 @@ def test_faults_on_mpi_like_backends_never_give_wrong_data_or_hang(program, seed
     _check(program, seed, MPI_LIKE)
 
 
-@settings(max_examples=200, deadline=None, database=None,
+@settings(max_examples=examples(100), deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(programs(backends=tuple(SEMANTICS), min_faults=1, max_faults=3, faults=FAULTS),
        st.integers(0, 2**16))
@@ -80,7 +81,7 @@ def test_a_lane_that_goes_on_after_a_failure_is_caught_giving_wrong_data():
         return False
 
     program = find(programs(backends=tuple(MPI_LIKE), auto=False, kinds=("allreduce",),
-                            slot_length=8, max_splits=0, max_size=3, max_steps=6,
+                            slot_length=8, max_splits=0, max_size=2, max_steps=6,
                             min_faults=1, max_faults=1, faults=("cancel", "dependency")),
                    wrong_data, settings=SEARCH)
     print(f"lane goes on: shrunk to {len(program.steps)} step(s) on {program.size} ranks, "

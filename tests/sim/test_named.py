@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from mcrdl import CommBrokenError, DesyncError
 from mcrdl.testing import FAULTS, SimMismatch, SimWorld, check_program, programs
 
+from . import examples
 from .broken import NamesIgnoredEngine
 
 MPI_LIKE = {"mpi": "windowed", "gloo": "mpi"}
@@ -42,7 +43,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-@settings(max_examples=180, deadline=None, database=None,
+@settings(max_examples=examples(100), deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(st.data(), st.integers(0, 2**16))
 def test_named_blocks_in_per_rank_orders_match_the_reference(case, data, seed):

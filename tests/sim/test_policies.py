@@ -1,13 +1,14 @@
 """The harness can fail: broken policies are caught, and shrunk to a small program.
 
 Each test searches generated programs for one that the broken policy gets wrong (a deadlock,
-a desynchronized lane, or a wrong result), lets hypothesis shrink it, and prints the shrunk
-program. A harness that could not find these would prove nothing about the real policies.
+a desynchronized lane, or a wrong result), lets hypothesis shrink it where shrinking shows
+something, and prints the program. A harness that could not find these would prove nothing
+about the real policies.
 """
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, find, settings
+from hypothesis import HealthCheck, Phase, find, settings
 
 from mcrdl import MCRDLError
 from mcrdl.testing import SimDeadlock, SimMismatch, check_program, programs
@@ -16,6 +17,10 @@ from .broken import PerRankSelector, ReadyFirstEngine
 
 SEARCH = settings(max_examples=600, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))
+#: The first failing program, unshrunk, where shrinking has nothing to show: the deadlock of
+#: a blocking issue needs a particular interleaving, and its shrinking (two minutes here)
+#: left the program as long as it was found.
+FIRST = settings(SEARCH, phases=[Phase.generate])
 
 
 def _fails(program, errors, **world):
@@ -27,8 +32,9 @@ def _fails(program, errors, **world):
     return False
 
 
-def _report(name, program):
-    lines = [f"{name}: shrunk to {len(program.steps)} step(s) on {program.size} ranks"]
+def _report(name, program, shrunk=True):
+    how = "shrunk to" if shrunk else "found with"
+    lines = [f"{name}: {how} {len(program.steps)} step(s) on {program.size} ranks"]
     lines += [f"  {s}" for s in program.steps]
     print("\n".join(lines))
 
@@ -60,8 +66,6 @@ def test_blocking_issue_is_caught():
     sems = {"mpi": "mpi", "blk": "blocking"}
     program = find(programs(backends=tuple(sems), auto=False, max_steps=8),
                    lambda p: _fails(p, (SimDeadlock,), backends=sems, wrap_blocking=False),
-                   settings=SEARCH)
-    _report("blocking issue", program)
-    # A deadlock that needs a particular interleaving shrinks less far than a mismatch.
-    assert len(program.steps) <= 8
+                   settings=FIRST)
+    _report("blocking issue", program, shrunk=False)
     check_program(program, seed=0, backends=sems)

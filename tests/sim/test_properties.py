@@ -14,9 +14,11 @@ from hypothesis import strategies as st
 
 from mcrdl.testing import check_program, programs
 
-FAST = settings(max_examples=300, deadline=None, database=None,
+from . import examples
+
+FAST = settings(max_examples=examples(300), deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
-MIXED = settings(max_examples=200, deadline=None, database=None,
+MIXED = settings(max_examples=examples(100), deadline=None, database=None,
                  suppress_health_check=list(HealthCheck))
 
 SEMANTICS = {"mpi": "windowed", "gloo": "mpi", "nccl": "nccl", "blk": "blocking"}
