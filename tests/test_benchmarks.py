@@ -1,0 +1,20 @@
+"""The one-process benchmark runs as the README says and prints its table."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from .launch import ROOT
+
+
+def test_floor_benchmark_prints_its_rows():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/floor.py", "--iters", "300", "--runs", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = re.findall(r"^\s+\d \|\s+([\d.]+)\s+([\d.]+)\s+([\d.]+) \|", proc.stdout, re.M)
+    assert len(rows) == 2, proc.stdout
+    assert all(float(x) > 0 for row in rows for x in row)
