@@ -11,6 +11,9 @@ is chosen (`mcrdl._select`).
 
 Devices are named as torch names them (``"cpu"``, ``"cuda:0"``). A numpy array subclass that
 reports another ``device`` (the simulated device of ``mcrdl.testing``) is taken at its word.
+Another library's array in CUDA memory (cupy, numba) is taken as the torch tensor sharing its
+memory (``_cuda_view``: zero-copy, not a conversion), which the operation then uses in its
+place; an in-place operation still resolves to the caller's array.
 
 torch is never imported here: a tensor can only reach us if the caller imported torch already.
 """
@@ -197,16 +200,60 @@ def as_buffer(obj: Any, name: str, writable: bool = False) -> Buffer:
         return _new(Buffer, (obj, dt, n, addr, False, False, device, ((addr, addr + n),)))
     if tensor_type is None and _torch_tensor_type() is not None:
         return as_buffer(obj, name, writable)  # first tensor of the process: tables are ready
-    if hasattr(obj, "__cuda_array_interface__"):
-        raise TypeError(
-            f"{name} is a {type(obj).__module__}.{type(obj).__qualname__} in CUDA memory, "
-            f"which mcrdl does not take directly yet; pass torch.as_tensor({name}, "
-            f"device='cuda') (zero-copy, the same memory)"
-        )
+    if _in_cuda_memory(obj):
+        return as_buffer(_cuda_view(obj, name, writable), name, writable)
     raise TypeError(
         f"{name} must be a torch.Tensor or numpy.ndarray, got {type(obj).__module__}."
         f"{type(obj).__qualname__}"
     )
+
+
+def _in_cuda_memory(obj: Any) -> bool:
+    """Whether ``obj`` is another library's array in CUDA memory (cupy, numba, ...): one that
+    says so through DLPack (``__dlpack_device__``: kDLCUDA, 2) or the CUDA Array Interface."""
+    device = getattr(obj, "__dlpack_device__", None)
+    if device is not None and hasattr(obj, "__dlpack__"):
+        try:
+            return int(device()[0]) == 2
+        except Exception:  # noqa: BLE001 - not a usable DLPack producer: not ours to take
+            return False
+    return hasattr(obj, "__cuda_array_interface__")
+
+
+def _cuda_view(obj: Any, name: str, writable: bool) -> Any:
+    """The torch tensor sharing ``obj``'s CUDA memory (zero-copy), which the operation then
+    uses in its place.
+
+    Through DLPack where ``obj`` speaks it: torch passes its current stream to
+    ``obj.__dlpack__``, and the producer orders that stream after the work it queued on its
+    own (cupy: its current stream), so the operation reads the array only after what the
+    caller's library wrote. Otherwise through the CUDA Array Interface (``torch.as_tensor``).
+    """
+    kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if writable and isinstance(cai, dict) and cai.get("data", (0, False))[1]:
+        raise ValueError(f"{name} is read-only but this operation writes it; pass a writable "
+                         f"array")
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        why = "torch is not imported" if torch is None else "this torch sees no CUDA device"
+        raise TypeError(
+            f"{name} is a {kind} in CUDA memory, which mcrdl takes as the torch tensor "
+            f"sharing its memory, but {why}; import a CUDA build of torch first"
+        )
+    try:
+        view = (torch.from_dlpack(obj) if hasattr(obj, "__dlpack__")
+                else torch.as_tensor(obj, device="cuda"))
+    except Exception as exc:  # noqa: BLE001 - said with the argument's name
+        raise TypeError(f"{name}: torch cannot view this {kind} in place ({exc}); pass a "
+                        f"torch tensor") from exc
+    if not view.is_contiguous():
+        raise ValueError(
+            f"{name} is not C-contiguous (shape {tuple(view.shape)}, strides in elements "
+            f"{view.stride()}); pass a C-contiguous copy (cupy.ascontiguousarray({name})) — "
+            f"mcrdl never copies behind your back"
+        )
+    return view
 
 
 def _refuse_tensor(obj: Any, name: str, dt: DType | None) -> None:

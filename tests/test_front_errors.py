@@ -300,13 +300,46 @@ def test_a_tensor_on_a_device_no_backend_reaches(comm):
         comm.broadcast(torch.empty(4, device="meta"), backend="mpi")
 
 
-def test_cuda_array_interface_objects_are_refused_with_the_zero_copy_way(comm):
-    class CudaArray:  # what cupy and numba arrays expose
-        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0, False),
-                                    "version": 3}
+class _CudaArray:
+    """What numba's device arrays expose: the CUDA Array Interface (no memory behind it here:
+    mcrdl refuses it before reading any)."""
 
-    with pytest.raises(TypeError, match=r"torch.as_tensor\(buf, device='cuda'\)"):
-        comm.allreduce(CudaArray())
+    def __init__(self, readonly=False):
+        self.__cuda_array_interface__ = {"shape": (4,), "typestr": "<f4",
+                                         "data": (0x1000, readonly), "version": 3}
+
+
+class _DLPackArray:
+    """What cupy arrays expose besides: DLPack, with the device they are on."""
+
+    def __init__(self, device_type):
+        self.device_type = device_type
+
+    def __dlpack__(self, stream=None):
+        raise AssertionError("not to be read here")
+
+    def __dlpack_device__(self):
+        return (self.device_type, 0)
+
+
+def test_arrays_in_cuda_memory_need_a_cuda_torch(comm):
+    # Taken as the torch tensor sharing their memory; this torch has no CUDA device.
+    for array in (_CudaArray(), _DLPackArray(2)):
+        with pytest.raises(TypeError, match=r"buf is a tests\.test_front_errors\._\w+ in CUDA "
+                                            r"memory, .* this torch sees no CUDA device"):
+            comm.allreduce(array)
+
+
+def test_a_read_only_cuda_array_is_refused_where_written(comm):
+    with pytest.raises(ValueError, match=r"buf is read-only but this operation writes it"):
+        comm.allreduce(_CudaArray(readonly=True))
+    with pytest.raises(TypeError, match=r"no CUDA device"):  # read only: passes that check
+        comm.alltoall(_CudaArray(readonly=True))
+
+
+def test_a_dlpack_array_on_the_host_is_not_taken_for_a_cuda_one(comm):
+    with pytest.raises(TypeError, match=r"must be a torch.Tensor or numpy.ndarray"):
+        comm.allreduce(_DLPackArray(1))  # kDLCPU
 
 
 def test_a_buffer_knows_the_bytes_it_covers():

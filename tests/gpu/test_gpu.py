@@ -159,6 +159,34 @@ def test_a_sweep_on_the_gpu_against_raw_nccl(comm):
     assert table.lookup("allreduce", "float32", 1, 4, device="cuda") in ("nccl", "gloo")
 
 
+def test_cupy_arrays_are_taken_in_place(comm):
+    cupy = pytest.importorskip("cupy")
+    f32 = cupy.float32
+    x = cupy.ones(4, dtype=f32)
+    assert comm.allreduce(x).wait() is x  # nccl first; resolves to the caller's array
+    assert float(x.sum()) == 4.0
+    y = cupy.full(4, 2.0, dtype=f32)
+    assert comm.allreduce(y, backend="gloo").wait() is y  # staged
+    assert float(y.sum()) == 8.0
+    # An output mcrdl allocates is a torch tensor (cupy.from_dlpack(out): zero-copy).
+    out = comm.allgather(cupy.arange(4, dtype=f32)).wait()
+    assert torch.equal(out.cpu(), torch.arange(4.0))
+    # An out the caller passes is filled in place.
+    o = cupy.zeros(4, dtype=f32)
+    comm.alltoall(cupy.arange(4, dtype=f32), out=o).wait()
+    assert bool(cupy.array_equal(o, cupy.arange(4, dtype=f32)))
+    # Written by a kernel on cupy's own stream, read after it: DLPack orders torch's current
+    # stream (the operation's caller stream) after cupy's.
+    side = cupy.cuda.Stream(non_blocking=True)
+    with side:
+        z = cupy.zeros(1 << 22, dtype=f32)
+        for _ in range(20):
+            z += 1
+        fut = comm.allreduce(z, backend="gloo")
+    fut.wait()
+    assert float(z.min()) == 20.0
+
+
 @pytest.mark.parametrize("launcher", ["torchrun", "mpi"])
 def test_two_ranks_share_one_gpu_over_staged_host_backends(launcher):
     import shutil
