@@ -200,27 +200,30 @@ def as_buffer(obj: Any, name: str, writable: bool = False) -> Buffer:
         return _new(Buffer, (obj, dt, n, addr, False, False, device, ((addr, addr + n),)))
     if tensor_type is None and _torch_tensor_type() is not None:
         return as_buffer(obj, name, writable)  # first tensor of the process: tables are ready
-    if _in_cuda_memory(obj):
-        return as_buffer(_cuda_view(obj, name, writable), name, writable)
+    how = _cuda_protocol(obj)
+    if how is not None:
+        return as_buffer(_cuda_view(obj, name, writable, how), name, writable)
     raise TypeError(
         f"{name} must be a torch.Tensor or numpy.ndarray, got {type(obj).__module__}."
         f"{type(obj).__qualname__}"
     )
 
 
-def _in_cuda_memory(obj: Any) -> bool:
-    """Whether ``obj`` is another library's array in CUDA memory (cupy, numba, ...): one that
-    says so through DLPack (``__dlpack_device__``: kDLCUDA, 2) or the CUDA Array Interface."""
+def _cuda_protocol(obj: Any) -> str | None:
+    """How ``obj``, another library's array in CUDA memory (cupy, numba, ...), can be viewed:
+    ``"dlpack"`` where its ``__dlpack_device__`` says CUDA (kDLCUDA, 2), else ``"cai"``
+    where it has the CUDA Array Interface (numba's arrays; managed memory); None: neither."""
     device = getattr(obj, "__dlpack_device__", None)
     if device is not None and hasattr(obj, "__dlpack__"):
         try:
-            return int(device()[0]) == 2
-        except Exception:  # noqa: BLE001 - not a usable DLPack producer: not ours to take
-            return False
-    return hasattr(obj, "__cuda_array_interface__")
+            if int(device()[0]) == 2:
+                return "dlpack"
+        except Exception:  # noqa: BLE001 - not a usable DLPack producer: try the interface
+            pass
+    return "cai" if hasattr(obj, "__cuda_array_interface__") else None
 
 
-def _cuda_view(obj: Any, name: str, writable: bool) -> Any:
+def _cuda_view(obj: Any, name: str, writable: bool, how: str) -> Any:
     """The torch tensor sharing ``obj``'s CUDA memory (zero-copy), which the operation then
     uses in its place.
 
@@ -242,8 +245,7 @@ def _cuda_view(obj: Any, name: str, writable: bool) -> Any:
             f"sharing its memory, but {why}; import a CUDA build of torch first"
         )
     try:
-        view = (torch.from_dlpack(obj) if hasattr(obj, "__dlpack__")
-                else torch.as_tensor(obj, device="cuda"))
+        view = torch.from_dlpack(obj) if how == "dlpack" else torch.as_tensor(obj)
     except Exception as exc:  # noqa: BLE001 - said with the argument's name
         raise TypeError(f"{name}: torch cannot view this {kind} in place ({exc}); pass a "
                         f"torch tensor") from exc
