@@ -262,9 +262,10 @@ class Backend(ABC):
         return False
 
     def stream(self, group: Any) -> Any:
-        """The stream ``group``'s operations are queued on (``capabilities.stream_ordered``
-        only; one per group, never the legacy default stream)."""
-        raise NotImplementedError(f"{self.name} does not order work on a stream")
+        """The stream ``group``'s operations are queued on: one per group, never the legacy
+        default stream, for a ``capabilities.stream_ordered`` backend, which must override
+        this; None (this default) for every other backend, whose operations are on none."""
+        return None
 
     def describe_wait(self, request: Request) -> str | None:
         """What an unfinished request waits for, where the backend knows (e.g. "ranks [2]

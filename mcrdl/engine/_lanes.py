@@ -169,6 +169,11 @@ class Lane:
         self.device: Any = None
         if backend.capabilities.stream_ordered:
             self.stream = backend.stream(group)
+            if self.stream is None:
+                raise TypeError(
+                    f"backend {backend.name!r} says its operations are stream_ordered but "
+                    f"gives no stream for its group: a stream-ordered backend implements "
+                    f"Backend.stream(group)")
             self.device = backend.device
 
     def records(self) -> list[OpRecord]:

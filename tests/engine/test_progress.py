@@ -523,3 +523,16 @@ def test_exit_waits_for_held_threads_but_not_for_a_lower_peer_that_waits_in_turn
     assert 0.15 < took < 2.0, took  # the thread on rank 2's receive, not rank 0's
     assert befores == [1]
     assert not backend.thread_held(backend.started[0]).is_set()
+
+
+def test_a_stream_ordered_backend_without_a_stream_is_refused_at_its_lane(engine):
+    """A host backend has no stream (Backend.stream's default); one that says it is
+    stream_ordered and gives none would have its lanes ordered as host lanes."""
+    host = ManualBackend(name="mpi")
+    assert host.stream(host.world()) is None
+    broken = ManualBackend(name="nccl", capabilities=dataclasses.replace(
+        ManualBackend.capabilities, stream_ordered=True, in_order=True))
+    group = broken.world()
+    with pytest.raises(TypeError, match=r"'nccl' says its operations are stream_ordered but "
+                                        r"gives no stream"):
+        engine.lane(broken, group, engine.comm("world", group.rank, group.size))
