@@ -52,6 +52,11 @@ class Capabilities:
         staged: the device kinds among ``devices`` it reaches only through host copies that
             the runtime makes around each operation (`mcrdl.backends._staging`): a host
             backend (MPI without CUDA support, gloo) on device buffers.
+        direct: device kinds, not among ``devices``, whose memory this host backend reads and
+            writes in place for every operation but those ``Backend.host_only`` names (a
+            CUDA-aware MPI, whose half-precision reductions run in a host callback). The
+            runtime's staging adapter hands it those operations as they are and stages the
+            others; once wrapped, ``devices`` lists these kinds and ``staged`` does not.
         cancel: whether an issued request can be cancelled.
         stream_ordered: whether it orders work on a device stream (GPU backends): each of its
             groups has a stream (``Backend.stream``), where ``start_*`` queues the operation
@@ -82,6 +87,7 @@ class Capabilities:
     reductions: Mapping[ReduceOp, frozenset[DType]] = field(default_factory=dict)
     devices: frozenset[str] = frozenset({"cpu"})
     staged: frozenset[str] = frozenset()
+    direct: frozenset[str] = frozenset()
     cancel: bool = False
     stream_ordered: bool = False
     in_order: bool = False
@@ -266,6 +272,13 @@ class Backend(ABC):
         default stream, for a ``capabilities.stream_ordered`` backend, which must override
         this; None (this default) for every other backend, whose operations are on none."""
         return None
+
+    def host_only(self, op: str, args: tuple[Any, ...]) -> bool:
+        """Whether the operation ``op`` (``"allreduce"``; ``args``: its start's arguments
+        after the group) needs its device buffers in host memory although this backend
+        reaches their kind (``capabilities.direct``): the runtime then stages it. Default:
+        never."""
+        return False
 
     def describe_wait(self, request: Request) -> str | None:
         """What an unfinished request waits for, where the backend knows (e.g. "ranks [2]

@@ -2,7 +2,11 @@
 
 A host backend that cannot read device memory (MPI built without CUDA support, gloo) reaches
 it through `StagedBackend`, which the runtime wraps around it when the process has a device
-(DESIGN.md rule 6; docs/gpu.md). An operation on device buffers gets a host array per device
+(DESIGN.md rule 6; docs/gpu.md). A host backend that reaches the device kind for most
+operations (``Capabilities.direct``: a CUDA-aware MPI) is wrapped too: its operations on device
+buffers are handed to it as they are, and only those it runs in host memory
+(``Backend.host_only``: MPI's half-precision reductions) are staged. Those handed over keep
+their place in the group's order like any other (below). An operation on device buffers gets a host array per device
 buffer (``Device.host_like``: pinned memory on a GPU). Its inputs are copied there on a copy
 stream of the adapter's own; the host backend's call is made on the host arrays once the event
 recorded after those copies has been reached; once the backend reports the call finished,
@@ -103,6 +107,8 @@ def _make_start(op: str) -> Callable[..., Request]:
 
     def start(self: StagedBackend, group: Any, *args: Any) -> Request:
         on_device = [i for i, a in enumerate(args) if type(a) is Buffer and a.device != "cpu"]
+        if on_device and self._direct and self._in_place(op, args, on_device[0]):
+            on_device = []  # the host backend reaches them itself: handed over as they are
         queue = self._queues.get(group)
         if not on_device and not queue and group not in self._failed:
             return getattr(self.inner, name)(group, *args)  # nothing to copy or wait behind
@@ -125,8 +131,10 @@ class StagedBackend(Backend):
         self.device = inner.device
         caps = inner.capabilities
         kinds = frozenset(d.kind for d in devices.values()) - caps.devices
+        #: The kinds ``inner`` reaches in place for all but its ``host_only`` operations.
+        self._direct = kinds & caps.direct
         self.capabilities: Capabilities = replace(caps, devices=caps.devices | kinds,
-                                                  staged=caps.staged | kinds)
+                                                  staged=caps.staged | (kinds - self._direct))
         self._devices = {name: d for name, d in devices.items() if d.kind in kinds}
         self._streams: dict[str, Any] = {}
         #: Per group, the started operations whose host call is not made yet, in order.
@@ -207,6 +215,13 @@ class StagedBackend(Backend):
             self._release(staged)
             raise staged.error
         return staged
+
+    def _in_place(self, op: str, args: tuple[Any, ...], first: int) -> bool:
+        """Whether ``op``'s device buffers (``args[first]`` the first) go to the host backend
+        as they are: their kind is one it reaches (``capabilities.direct``) and the operation
+        is not one it runs in host memory only (``host_only``)."""
+        device = self._device(args[first].device)
+        return device.kind in self._direct and not self.inner.host_only(op, args)
 
     def _device(self, name: str) -> Device:
         device = self._devices.get(name)

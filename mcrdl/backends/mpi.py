@@ -13,11 +13,12 @@ Quirks beyond the contract:
 - Reductions on bool use the logical ops (SUM and MAX are LOR, PROD and MIN are LAND).
 - Which memory this MPI reaches is read, not assumed: ``memory_kinds`` is the library's
   ``mpi_memory_alloc_kinds`` (MPI 4.1; MPICH 5.0.2's pip wheel says ``mpi,system``), and
-  ``cuda_aware`` whether a ``cuda`` kind is among them. Device buffers never reach MPI
-  itself, CUDA-aware or not: ``capabilities.devices`` is ``cpu``, and the runtime stages
-  operations on device buffers through pinned host copies (``backends._staging``). Passing
-  device memory to a CUDA-aware build is not done yet: the half-precision reductions are a
-  host callback (``_half_ops``), which cannot read device memory (docs/gpu.md).
+  ``cuda_aware`` whether a ``cuda`` kind is among them. A CUDA-aware build gets device
+  buffers as they are (``capabilities.direct``: a CUDA tensor goes by its device address, as
+  a host tensor goes by its own), except for the half-precision reductions, whose host
+  callback (``_half_ops``) cannot read device memory (``host_only``); the runtime stages those,
+  and every operation on device buffers of an MPI that is not CUDA-aware or does not say,
+  through pinned host copies (``backends._staging``; docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ _INTS = frozenset({DType.UINT8, DType.INT8, DType.INT16, DType.INT32, DType.INT6
 _REALS = frozenset({DType.FLOAT32, DType.FLOAT64})
 _COMPLEX = frozenset({DType.COMPLEX64, DType.COMPLEX128})
 _HALVES = frozenset({DType.FLOAT16, DType.BFLOAT16})
+#: The operations that reduce (their first argument is the buffer reduced).
+_REDUCING = frozenset({"allreduce", "reduce", "reduce_scatter"})
 #: Communicators of broken groups, never freed (``MPIBackend.abandon``).
 _KEPT: list[tuple[Any, Any]] = []
 
@@ -216,6 +219,7 @@ class MPIBackend(Backend):
                 ReduceOp.BOR: _INTS | {DType.BOOL},
                 ReduceOp.BXOR: _INTS | {DType.BOOL},
             },
+            direct=frozenset({"cuda"}) if self.cuda_aware else frozenset(),
             cancel=False,
             self_progressing=False,
             # One collective per communicator in flight: MPICH moves data only inside the
@@ -259,6 +263,10 @@ class MPIBackend(Backend):
         self.free_group(self._world)
 
     # -- operations ----------------------------------------------------------------------
+
+    def host_only(self, op: str, args: tuple[Any, ...]) -> bool:
+        """The half-precision reductions: their callback reduces with torch in host memory."""
+        return op in _REDUCING and args[0].dtype in _HALVES
 
     def _op(self, op: ReduceOp, buf: Buffer) -> Any:
         """The MPI op reducing ``buf``'s dtype with ``op``."""

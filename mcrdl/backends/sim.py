@@ -22,6 +22,10 @@ real data (numpy) and declares one of four matching semantics:
 
 In a world with a device, the other semantics reach its memory too (as a CUDA-aware MPI does):
 the engine then starts their operations only once the device work they depend on has run.
+A backend the world names ``staged`` does not (the runtime stages it through host copies),
+and one it names ``direct`` reaches it for every operation but its reductions, which it runs
+in host memory (``host_only``), as a CUDA-aware MPI's half-precision reductions: started on
+device buffers, a reduction fails.
 
 Inputs are read and outputs written when an operation *executes* (when it finishes), not when
 it is issued, so an engine that lets a conflicting operation run in between produces a wrong
@@ -34,22 +38,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from .._buffers import Buffer
 from .._errors import BackendError, BackendUnavailableError
 from .._types import DType, OpKind, ReduceOp
 from ._contract import Backend, Capabilities, Request
-
-if TYPE_CHECKING:
-    from .._buffers import Buffer
 
 __all__ = ["SEMANTICS", "SimBackend", "SimGroup", "SimOp", "sim_capabilities"]
 
 SEMANTICS = ("mpi", "windowed", "nccl", "blocking", "stream")
 
 _NUMERIC = frozenset(DType) - {DType.BFLOAT16}
+_REDUCING = frozenset({"allreduce", "reduce", "reduce_scatter"})
 
 
 def sim_capabilities(semantics: str, device: bool = False) -> Capabilities:
@@ -192,6 +195,8 @@ class SimBackend(Backend):
         if self.semantics == "stream" and self.device is None:
             raise ValueError("sim semantics 'stream' needs a world with a device")
         self._streams: dict[str, Any] = {}
+        #: Whether its reductions need host memory (a world's ``direct`` backend).
+        self.host_reductions = False
         self._world_group = SimGroup("world", tuple(range(bootstrap.size)), bootstrap.rank,
                                      bootstrap.size)
 
@@ -215,8 +220,15 @@ class SimBackend(Backend):
 
     # -- operations ----------------------------------------------------------------------
 
+    def host_only(self, op: str, args: tuple[Any, ...]) -> bool:
+        return self.host_reductions and op in _REDUCING
+
     def _collective(self, group: SimGroup, kind: str, signature: tuple[Any, ...],
                     args: tuple[Any, ...]) -> Request:
+        if self.host_only(kind, args) and any(
+                type(a) is Buffer and a.device != "cpu" for a in args):
+            raise RuntimeError(f"sim: {self.name} reduces in host memory; {kind} was started "
+                               f"on device buffers")
         fault = self._fault(args)
         op = self.sim.arrive(self, group, kind, signature, args)
         return self._started(op, fault, group)

@@ -29,6 +29,7 @@ from ..backends import Backend
 from ..backends._threaded import Threads
 from ..backends.sim import SimBackend, SimGroup, SimOp, reduce_stack
 from ..engine import Engine, PollPolicy, flight_record
+from ._device import KIND as SIM_KIND
 from ._device import SimDevice
 
 if TYPE_CHECKING:
@@ -156,6 +157,9 @@ class SimWorld:
         staged: backends (by name) that do not reach the device themselves: the runtime
             stages their operations on device buffers through host copies, as it does for
             MPI without CUDA support and for gloo (`mcrdl.backends._staging`).
+        direct: backends (by name) that reach the device for every operation but their
+            reductions, which need host memory (as a CUDA-aware MPI's half-precision ones):
+            the runtime hands them device buffers as they are and stages the reductions.
         staging: replaces that staging adapter (a broken one, for the tests).
         timeout: the per-operation timeout in simulated seconds (a scheduler step is
             ``STEP_SECONDS``); None: none.
@@ -177,6 +181,7 @@ class SimWorld:
         timeout: float | None = None,
         device: bool = False,
         staged: Collection[str] = (),
+        direct: Collection[str] = (),
         staging: Callable[..., Backend] | None = None,
     ) -> None:
         if not 1 <= size <= 64:
@@ -223,6 +228,11 @@ class SimWorld:
             for name in staged:
                 sims[name].capabilities = replace(sims[name].capabilities,
                                                   devices=frozenset({"cpu"}))
+            for name in direct:
+                sims[name].capabilities = replace(sims[name].capabilities,
+                                                  devices=frozenset({"cpu"}),
+                                                  direct=frozenset({SIM_KIND}))
+                sims[name].host_reductions = True
             engine = (engine_factory or Engine)(
                 background=False, policy=PollPolicy(spin_polls=0), timeout=timeout,
                 clock=self.clock)

@@ -61,7 +61,8 @@ def test_nccl_first_and_gloo_staged(comm):
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_every_operation_staged_through_host_memory(comm, backend):
     """gloo, and MPI without CUDA support, on CUDA tensors: copied to pinned host memory on
-    a copy stream after the caller's work, and back before the operation is done."""
+    a copy stream after the caller's work, and back before the operation is done (a
+    CUDA-aware MPI gets them as they are: the same results)."""
     _up(comm, backend)
     x = torch.zeros(1 << 16, device="cuda")
     torch.cuda.synchronize()
@@ -76,6 +77,28 @@ def test_every_operation_staged_through_host_memory(comm, backend):
     assert torch.equal(comm.reduce_scatter(y, backend=backend).wait(), y)
     assert torch.equal(comm.alltoallv(y, [8], [8], backend=backend).wait(), y)
     assert torch.equal(comm.allreduce(y.clone(), mcrdl.ReduceOp.AVG, backend=backend).wait(), y)
+
+
+def test_mpi_reaches_the_gpu_the_way_its_library_says(comm):
+    """A CUDA-aware MPI (its ``mpi_memory_alloc_kinds`` name ``cuda``) gets CUDA tensors as
+    they are, but for its half-precision reductions (a host callback: staged); any other MPI
+    gets everything staged. Both give the same results."""
+    _up(comm, "mpi")
+    mpi = comm.runtime.backend("mpi")
+    caps = mpi.capabilities
+    if mpi.cuda_aware:
+        assert caps.direct == frozenset({"cuda"}) and "cuda" not in caps.staged
+    else:
+        assert caps.staged == frozenset({"cuda"}) and not caps.direct
+    x = torch.zeros(1 << 16, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLOW)
+    x.fill_(3.0)  # written on the caller's stream after a long kernel: read after it
+    assert bool((comm.allreduce(x, backend="mpi").wait() == 3.0).all())
+    h = torch.arange(8, dtype=torch.float16, device="cuda")
+    assert torch.equal(comm.allreduce(h.clone(), backend="mpi").wait(), h)
+    b = torch.arange(8, dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(comm.reduce_scatter(b, backend="mpi").wait(), b)
 
 
 def _up(comm, backend):

@@ -97,6 +97,29 @@ def test_staged_device_programs_with_a_fault_stay_in_step(program, seed):
     check_program(program, seed=seed, backends=STAGED_SEMS, staged=STAGED)
 
 
+# -- host backends that reach the device for all but their reductions (CUDA-aware MPI) ----
+
+#: A CUDA-aware MPI and a backend of blocking calls that get device buffers as they are, but
+#: run their reductions in host memory (staged), beside a staged one and a stream backend.
+DIRECT_SEMS = {"mpi": "windowed", "gloo": "mpi", "ccl": "blocking", "nccl": "stream"}
+DIRECT = ("mpi", "ccl")
+
+
+@settings(max_examples=examples(50), deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(programs(backends=tuple(DIRECT_SEMS), device=True), st.integers(0, 2**16))
+def test_direct_device_programs_never_deadlock_and_match_the_reference(program, seed):
+    check_program(program, seed=seed, backends=DIRECT_SEMS, direct=DIRECT, staged=("gloo",))
+
+
+@settings(max_examples=examples(40), deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(programs(backends=tuple(DIRECT_SEMS), device=True, max_faults=1, min_faults=1,
+                max_size=4), st.integers(0, 2**16))
+def test_direct_device_programs_with_a_fault_stay_in_step(program, seed):
+    check_program(program, seed=seed, backends=DIRECT_SEMS, direct=DIRECT, staged=("gloo",))
+
+
 # -- the harness catches each rule broken ------------------------------------------------
 
 #: The first failing program is enough (shrinking one costs minutes here).
@@ -443,3 +466,70 @@ def test_a_buffer_on_another_device_of_a_kind_the_runtime_reaches_is_refused():
         return comm.allreduce(_device(comm).array(np.ones(2)), backend="nccl").wait().tolist()
 
     assert _run(program) == [[2.0, 2.0]] * 2
+
+
+# -- a host backend reaching the device for all but its reductions (CUDA-aware MPI) --------
+
+def _direct_run(program, **world):
+    return SimWorld(2, {"mpi": "windowed", "gloo": "mpi"}, device=True,
+                    direct=("mpi", "gloo"), **world).run(program)
+
+
+def test_a_direct_backend_says_so_in_its_capabilities():
+    def program(comm):
+        caps = comm.runtime.backend("mpi").capabilities
+        return sorted(caps.devices), sorted(caps.staged), sorted(caps.direct)
+
+    assert _direct_run(program) == [(["cpu", "simgpu"], [], ["simgpu"])] * 2
+
+
+def test_device_buffers_go_as_they_are_and_reductions_are_staged():
+    """A direct backend's allgather sees the device arrays themselves; its allreduce (host
+    only) sees host copies, and the result is back on the device."""
+
+    def program(comm):
+        dev = _device(comm)
+        inner = comm.runtime.backend("mpi").inner
+        seen = []
+        for name in ("start_allgather", "start_allreduce"):
+            real = getattr(inner, name)
+
+            def probe(group, *args, _real=real, _name=name):
+                seen.append((_name, args[0].device))
+                return _real(group, *args)
+
+            setattr(inner, name, probe)
+        x = dev.array(np.full(2, comm.rank + 1.0))
+        dev.launch(lambda: x.__setitem__(slice(None), 10.0 * (comm.rank + 1)), steps=20)
+        out = comm.allgather(x, backend="mpi").wait()
+        comm.allreduce(x, backend="mpi").wait()
+        return seen, out.device, out.tolist(), x.device, x.tolist()
+
+    for seen, out_device, out, x_device, x in _direct_run(program):
+        assert seen == [("start_allgather", "simgpu:0"), ("start_allreduce", "cpu")]
+        assert out_device == x_device == "simgpu:0"
+        assert out == [10.0, 10.0, 20.0, 20.0] and x == [30.0, 30.0]
+
+
+def test_an_operation_handed_over_as_it_is_waits_behind_a_staged_one():
+    """On a lane with no issue window, an allgather of device memory (handed over as it is)
+    started while the allreduce before it (staged: a host-only reduction) waits for its copy
+    from the device: its host call waits too, or the members would match them the other way
+    round."""
+
+    def program(comm):
+        dev = _device(comm)
+        x = dev.array(np.full(2, comm.rank + 1.0))
+        y = dev.array(np.full(2, 10.0 * (comm.rank + 1)))
+        if comm.rank == 0:  # the staging's copy stream busy: x's copy in runs late
+            staging = comm.runtime.backend("gloo")
+            dev.launch(lambda: None, stream=staging._stream(dev), steps=40)
+        first = comm.allreduce(x, backend="gloo")
+        if comm.rank == 1:
+            first.wait()  # rank 1's host calls are in order whatever the adapter does
+        second = comm.allgather(y, backend="gloo")
+        return first.wait().tolist(), second.wait().tolist()
+
+    for seed in range(6):
+        got = _direct_run(program, seed=seed, max_delay=6)
+        assert got == [([3.0, 3.0], [10.0, 10.0, 20.0, 20.0])] * 2
