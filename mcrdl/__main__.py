@@ -164,6 +164,7 @@ def provenance(comm: Any) -> dict[str, Any]:
         info["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()
         mpi = comm.runtime.backend("mpi")
         info["mpi_memory_kinds"] = list(getattr(mpi, "memory_kinds", ()))
+        info["mpi_cuda_support"] = getattr(mpi, "cuda_support", None)
     hosts = sorted({socket.gethostname()})
     cpu = platform.processor() or platform.machine()
     info["host"] = hashlib.sha256(f"{hosts}|{cpu}|{os.cpu_count()}".encode()).hexdigest()[:16]

@@ -37,8 +37,12 @@ def test_mpi_says_which_memory_it_reaches(world):
     mpi = world.runtime.backend("mpi")
     # MPI 4.1's mpi_memory_alloc_kinds, read from the library (MPICH's wheel: "mpi,system")
     assert "system" in mpi.memory_kinds
-    assert mpi.cuda_aware == any(k.startswith("cuda") for k in mpi.memory_kinds)
-    assert mpi.capabilities.devices == {"cpu"}  # device buffers do not go to MPI yet
+    # and MPIX_Query_cuda_support(), found in the library mpi4py loaded (MPICH has it)
+    assert mpi.cuda_support is not None
+    assert mpi.cuda_aware == (any(k.startswith("cuda") for k in mpi.memory_kinds)
+                              or mpi.cuda_support)
+    assert mpi.capabilities.devices == {"cpu"}  # a device's buffers reach it staged or direct
+    assert mpi.capabilities.direct == ({"cuda"} if mpi.cuda_aware else set())
 
 
 @pytest.mark.parametrize("backend", ["mpi", "gloo", None])

@@ -12,8 +12,9 @@ Quirks beyond the contract:
   never match ours.
 - Reductions on bool use the logical ops (SUM and MAX are LOR, PROD and MIN are LAND).
 - Which memory this MPI reaches is read, not assumed: ``memory_kinds`` is the library's
-  ``mpi_memory_alloc_kinds`` (MPI 4.1; MPICH 5.0.2's pip wheel says ``mpi,system``), and
-  ``cuda_aware`` whether a ``cuda`` kind is among them. A CUDA-aware build gets device
+  ``mpi_memory_alloc_kinds`` (MPI 4.1; MPICH 5.0.2's pip wheel says ``mpi,system``),
+  ``cuda_support`` what its ``MPIX_Query_cuda_support()`` answers (MPICH, Open MPI; the
+  wheel's: 0), and ``cuda_aware`` whether either names CUDA. A CUDA-aware build gets device
   buffers as they are (``capabilities.direct``: a CUDA tensor goes by its device address, as
   a host tensor goes by its own), except for the half-precision reductions, whose host
   callback (``_half_ops``) cannot read device memory (``host_only``); the runtime stages those,
@@ -67,6 +68,27 @@ def _memory_kinds(MPI: Any) -> tuple[str, ...]:
     except Exception:  # noqa: BLE001 - an MPI before 4.1: it does not say
         return ()
     return tuple(k.strip() for k in (value or "").split(",") if k.strip())
+
+
+def _cuda_support() -> bool | None:
+    """``MPIX_Query_cuda_support()`` of the MPI library this process loaded (MPICH and Open
+    MPI export it; it says whether the library was built with CUDA support and has it
+    enabled); None where the library cannot be found among the process's mappings (not
+    Linux) or lacks the function."""
+    import ctypes
+    import re
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libmpi" in line}
+    except OSError:
+        return None
+    for path in sorted(p for p in paths if re.search(r"/libmpi\.so(\.\d+)*$", p)):
+        query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
+        if query is not None:
+            query.restype, query.argtypes = ctypes.c_int, []
+            return bool(query())
+    return None
 
 
 class _MPIGroup:
@@ -183,8 +205,12 @@ class MPIBackend(Backend):
         self._world = _MPIGroup(MPI.COMM_WORLD.Dup())
         #: The kinds of memory this MPI library says it reaches (empty: it does not say).
         self.memory_kinds = _memory_kinds(MPI)
-        #: Whether it reaches CUDA device memory (a CUDA-aware build).
-        self.cuda_aware = any(kind.partition(":")[0] == "cuda" for kind in self.memory_kinds)
+        #: What ``MPIX_Query_cuda_support()`` answers (None: the library has no such query).
+        self.cuda_support = _cuda_support()
+        #: Whether it reaches CUDA device memory (a CUDA-aware build): its memory kinds, or
+        #: its MPIX query, say so.
+        self.cuda_aware = (any(kind.partition(":")[0] == "cuda" for kind in self.memory_kinds)
+                           or self.cuda_support is True)
         self._IN_PLACE = MPI.IN_PLACE
         self._fromaddress = MPI.buffer.fromaddress
         self._types = {
