@@ -66,9 +66,13 @@ _region: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 #: user-facing overloads instead.
 _c10d: Any = dist
 _RED = _c10d.ReduceOp.RedOpType
-_OPS = {_RED.SUM: ReduceOp.SUM, _RED.PRODUCT: ReduceOp.PROD, _RED.MIN: ReduceOp.MIN,
-        _RED.MAX: ReduceOp.MAX, _RED.AVG: ReduceOp.AVG, _RED.BAND: ReduceOp.BAND,
-        _RED.BOR: ReduceOp.BOR, _RED.BXOR: ReduceOp.BXOR}
+#: mcrdl's op for each of torch's, by the value of torch's: its enum members (pybind's) hash and
+#: compare in ~1.0-1.5 µs each here, their ``.value`` in ~0.25 µs, and every reduction reads one.
+_OPS = {k.value: v for k, v in {
+    _RED.SUM: ReduceOp.SUM, _RED.PRODUCT: ReduceOp.PROD, _RED.MIN: ReduceOp.MIN,
+    _RED.MAX: ReduceOp.MAX, _RED.AVG: ReduceOp.AVG, _RED.BAND: ReduceOp.BAND,
+    _RED.BOR: ReduceOp.BOR, _RED.BXOR: ReduceOp.BXOR}.items()}
+_PREMUL_SUM = _RED.PREMUL_SUM.value
 
 
 @contextlib.contextmanager
@@ -219,9 +223,10 @@ def _op(opts: Any) -> tuple[ReduceOp, Any]:
         return ReduceOp.SUM, None
     red = opts.reduceOp
     kind = getattr(red, "op", red)
-    if kind == _RED.PREMUL_SUM:
+    value = kind.value
+    if value == _PREMUL_SUM:
         return ReduceOp.SUM, red.factor
-    op = _OPS.get(kind)
+    op = _OPS.get(value)
     if op is None:
         raise UnsupportedOperationError(
             f"reduce op {kind} is not supported by the mcrdl backend; it reduces with SUM, "
