@@ -192,6 +192,15 @@ class _Work(_c10d._Work):  # type: ignore[misc]
                          "backend does not offer")
 
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        pending = [f for f in self._futs if not f.done()]
+        if pending and not pending[0]._engine.has_background:
+            # torch waits on this future in C++ (DDP's reducer does), where nothing would
+            # poll mcrdl's engine: the future would never complete, and nothing would time out.
+            raise MCRDLError(
+                "Work.get_future() needs mcrdl's progress thread, and this runtime has none "
+                "(MCRDL_PROGRESS_THREAD=0 or mcrdl.init(progress_thread=False)): torch waits "
+                "on the future where nothing moves mcrdl's operations; leave the thread on, or "
+                "call Work.wait()")
         tfut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
         left = [len(self._futs)]
         count = threading.Lock()

@@ -355,3 +355,20 @@ def test_a_buffer_knows_the_bytes_it_covers():
         assert b.ranges == ((b.addr, b.addr + 32),) and b.device == "cpu"
     t = torch.arange(8.0)[2:6]
     assert as_buffer(t, "buf").ranges == ((t.data_ptr(), t.data_ptr() + 16),)
+
+
+def test_a_torch_work_future_is_refused_without_a_progress_thread(comm, backends):
+    """torch waits on ``Work.get_future()`` in C++ (DDP's reducer), where nothing polls the
+    engine: without the progress thread it would never complete, so it is refused by name;
+    ``Work.wait()`` drives the engine itself, and a future of finished work is given."""
+    from mcrdl.torch import _Work
+
+    allow_started(backends)
+    t = torch.ones(4)
+    work = _Work([comm.allreduce(t, backend="mpi")], [t])
+    with pytest.raises(mcrdl.MCRDLError, match=r"^Work\.get_future\(\) needs mcrdl's progress "
+                                               r"thread, and this runtime has none"):
+        work.get_future()
+    mpi = backends["mpi"]
+    mpi.finish(mpi.started[0])
+    assert work.wait() and work.get_future().wait() == [t]
