@@ -84,7 +84,10 @@ def _cuda_support() -> bool | None:
     except OSError:
         return None
     for path in sorted(p for p in paths if re.search(r"/libmpi\.so(\.\d+)*$", p)):
-        query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
+        try:
+            query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
+        except OSError:  # (a mapping of a file gone since, or not a library ctypes loads)
+            continue
         if query is not None:
             query.restype, query.argtypes = ctypes.c_int, []
             return bool(query())
