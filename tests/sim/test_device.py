@@ -105,7 +105,7 @@ DIRECT_SEMS = {"mpi": "windowed", "gloo": "mpi", "ccl": "blocking", "nccl": "str
 DIRECT = ("mpi", "ccl")
 
 
-@settings(max_examples=examples(50), deadline=None, database=None,
+@settings(max_examples=examples(30), deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(programs(backends=tuple(DIRECT_SEMS), device=True), st.integers(0, 2**16))
 def test_direct_device_programs_never_deadlock_and_match_the_reference(program, seed):
