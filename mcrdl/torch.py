@@ -66,8 +66,9 @@ _region: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 #: user-facing overloads instead.
 _c10d: Any = dist
 _RED = _c10d.ReduceOp.RedOpType
-#: mcrdl's op for each of torch's, by the value of torch's: its enum members (pybind's) hash and
-#: compare in ~1.0-1.5 µs each here, their ``.value`` in ~0.25 µs, and every reduction reads one.
+#: mcrdl's op for each of torch's, keyed by the value of torch's: its enum members are
+#: pybind objects whose hashing and comparison run Python-level code, where their ``.value``
+#: is a plain int, and every reduction call looks one up (docs/performance.md has the cost).
 _OPS = {k.value: v for k, v in {
     _RED.SUM: ReduceOp.SUM, _RED.PRODUCT: ReduceOp.PROD, _RED.MIN: ReduceOp.MIN,
     _RED.MAX: ReduceOp.MAX, _RED.AVG: ReduceOp.AVG, _RED.BAND: ReduceOp.BAND,

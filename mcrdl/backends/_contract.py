@@ -273,9 +273,8 @@ class Backend(ABC):
         this; None (this default) for every other backend, whose operations are on none."""
         return None
 
-    def host_only(self, op: str, args: tuple[Any, ...]) -> bool:
-        """Whether the operation ``op`` (``"allreduce"``; ``args``: its start's arguments
-        after the group) needs its device buffers in host memory although this backend
+    def host_only(self, op: OpKind, args: tuple[Any, ...]) -> bool:
+        """Whether the operation ``op`` (``args``: its start's arguments after the group) needs its device buffers in host memory although this backend
         reaches their kind (``capabilities.direct``): the runtime then stages it. Default:
         never."""
         return False

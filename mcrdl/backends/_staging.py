@@ -104,10 +104,11 @@ def _roles(op: str, index: int, group: Group, args: tuple[Any, ...]) -> tuple[bo
 
 def _make_start(op: str) -> Callable[..., Request]:
     name = f"start_{op}"
+    kind = OpKind(op)
 
     def start(self: StagedBackend, group: Any, *args: Any) -> Request:
         on_device = [i for i, a in enumerate(args) if type(a) is Buffer and a.device != "cpu"]
-        if on_device and self._direct and self._in_place(op, args, on_device[0]):
+        if on_device and self._direct and self._in_place(kind, args, on_device[0]):
             on_device = []  # the host backend reaches them itself: handed over as they are
         queue = self._queues.get(group)
         if not on_device and not queue and group not in self._failed:
@@ -216,7 +217,7 @@ class StagedBackend(Backend):
             raise staged.error
         return staged
 
-    def _in_place(self, op: str, args: tuple[Any, ...], first: int) -> bool:
+    def _in_place(self, op: OpKind, args: tuple[Any, ...], first: int) -> bool:
         """Whether ``op``'s device buffers (``args[first]`` the first) go to the host backend
         as they are: their kind is one it reaches (``capabilities.direct``) and the operation
         is not one it runs in host memory only (``host_only``)."""

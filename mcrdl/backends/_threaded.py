@@ -164,7 +164,7 @@ class ThreadedBackend(Backend):
         group.worker.put(None)
         self.inner.free_group(group.inner)
 
-    def host_only(self, op: str, args: tuple[Any, ...]) -> bool:
+    def host_only(self, op: OpKind, args: tuple[Any, ...]) -> bool:
         return self.inner.host_only(op, args)
 
     def test(self, requests: list[Request]) -> list[tuple[int, BaseException | None]]:

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._errors import BackendError, BackendUnavailableError
-from .._types import DType, OpKind, ReduceOp
+from .._types import REDUCING, DType, OpKind, ReduceOp
 from ._contract import Backend, Bootstrap, Capabilities, Request
 
 if TYPE_CHECKING:
@@ -50,8 +50,6 @@ _INTS = frozenset({DType.UINT8, DType.INT8, DType.INT16, DType.INT32, DType.INT6
 _REALS = frozenset({DType.FLOAT32, DType.FLOAT64})
 _COMPLEX = frozenset({DType.COMPLEX64, DType.COMPLEX128})
 _HALVES = frozenset({DType.FLOAT16, DType.BFLOAT16})
-#: The operations that reduce (their first argument is the buffer reduced).
-_REDUCING = frozenset({"allreduce", "reduce", "reduce_scatter"})
 #: Communicators of broken groups, never freed (``MPIBackend.abandon``).
 _KEPT: list[tuple[Any, Any]] = []
 
@@ -293,9 +291,10 @@ class MPIBackend(Backend):
 
     # -- operations ----------------------------------------------------------------------
 
-    def host_only(self, op: str, args: tuple[Any, ...]) -> bool:
-        """The half-precision reductions: their callback reduces with torch in host memory."""
-        return op in _REDUCING and args[0].dtype in _HALVES
+    def host_only(self, op: OpKind, args: tuple[Any, ...]) -> bool:
+        """The half-precision reductions: their callback reduces with torch in host memory
+        (a reduction's first argument is the buffer it reduces)."""
+        return op in REDUCING and args[0].dtype in _HALVES
 
     def _op(self, op: ReduceOp, buf: Buffer) -> Any:
         """The MPI op reducing ``buf``'s dtype with ``op``."""

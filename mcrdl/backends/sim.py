@@ -44,7 +44,7 @@ import numpy as np
 
 from .._buffers import Buffer
 from .._errors import BackendError, BackendUnavailableError
-from .._types import DType, OpKind, ReduceOp
+from .._types import REDUCING, DType, OpKind, ReduceOp
 from ._contract import Backend, Capabilities, Request
 
 __all__ = ["SEMANTICS", "SimBackend", "SimGroup", "SimOp", "sim_capabilities"]
@@ -52,7 +52,6 @@ __all__ = ["SEMANTICS", "SimBackend", "SimGroup", "SimOp", "sim_capabilities"]
 SEMANTICS = ("mpi", "windowed", "nccl", "blocking", "stream")
 
 _NUMERIC = frozenset(DType) - {DType.BFLOAT16}
-_REDUCING = frozenset({"allreduce", "reduce", "reduce_scatter"})
 
 
 def sim_capabilities(semantics: str, device: bool = False) -> Capabilities:
@@ -220,12 +219,12 @@ class SimBackend(Backend):
 
     # -- operations ----------------------------------------------------------------------
 
-    def host_only(self, op: str, args: tuple[Any, ...]) -> bool:
-        return self.host_reductions and op in _REDUCING
+    def host_only(self, op: OpKind, args: tuple[Any, ...]) -> bool:
+        return self.host_reductions and op in REDUCING
 
     def _collective(self, group: SimGroup, kind: str, signature: tuple[Any, ...],
                     args: tuple[Any, ...]) -> Request:
-        if self.host_only(kind, args) and any(
+        if self.host_only(OpKind(kind), args) and any(
                 type(a) is Buffer and a.device != "cpu" for a in args):
             raise RuntimeError(f"sim: {self.name} reduces in host memory; {kind} was started "
                                f"on device buffers")

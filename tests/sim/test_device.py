@@ -399,17 +399,21 @@ def test_an_alltoallv_routed_by_size_on_device_buffers():
 
 # -- staging, one by one ----------------------------------------------------------------
 
-def _staged_run(program, **world):
+def _staged_run(program, way="staged", **world):
+    """``program`` on two ranks whose mpi and gloo reach the device ``way``: ``"staged"``
+    (through host copies) or ``"direct"`` (as they are, but for their reductions)."""
     return SimWorld(2, {"mpi": "windowed", "gloo": "mpi"}, device=True,
-                    staged=("mpi", "gloo"), **world).run(program)
+                    **{way: ("mpi", "gloo")}, **world).run(program)
 
 
-def test_a_staged_backend_says_so_in_its_capabilities():
+@pytest.mark.parametrize(("way", "staged", "direct"), [("staged", ["simgpu"], []),
+                                                       ("direct", [], ["simgpu"])])
+def test_a_staged_or_direct_backend_says_so_in_its_capabilities(way, staged, direct):
     def program(comm):
         caps = comm.runtime.backend("mpi").capabilities
-        return sorted(caps.devices), sorted(caps.staged)
+        return sorted(caps.devices), sorted(caps.staged), sorted(caps.direct)
 
-    assert _staged_run(program) == [(["cpu", "simgpu"], ["simgpu"])] * 2
+    assert _staged_run(program, way) == [(["cpu", "simgpu"], staged, direct)] * 2
 
 
 def test_a_staged_operation_reads_after_the_callers_kernel_and_returns_on_the_device():
@@ -470,19 +474,6 @@ def test_a_buffer_on_another_device_of_a_kind_the_runtime_reaches_is_refused():
 
 # -- a host backend reaching the device for all but its reductions (CUDA-aware MPI) --------
 
-def _direct_run(program, **world):
-    return SimWorld(2, {"mpi": "windowed", "gloo": "mpi"}, device=True,
-                    direct=("mpi", "gloo"), **world).run(program)
-
-
-def test_a_direct_backend_says_so_in_its_capabilities():
-    def program(comm):
-        caps = comm.runtime.backend("mpi").capabilities
-        return sorted(caps.devices), sorted(caps.staged), sorted(caps.direct)
-
-    assert _direct_run(program) == [(["cpu", "simgpu"], [], ["simgpu"])] * 2
-
-
 def test_device_buffers_go_as_they_are_and_reductions_are_staged():
     """A direct backend's allgather sees the device arrays themselves; its allreduce (host
     only) sees host copies, and the result is back on the device."""
@@ -505,7 +496,7 @@ def test_device_buffers_go_as_they_are_and_reductions_are_staged():
         comm.allreduce(x, backend="mpi").wait()
         return seen, out.device, out.tolist(), x.device, x.tolist()
 
-    for seen, out_device, out, x_device, x in _direct_run(program):
+    for seen, out_device, out, x_device, x in _staged_run(program, "direct"):
         assert seen == [("start_allgather", "simgpu:0"), ("start_allreduce", "cpu")]
         assert out_device == x_device == "simgpu:0"
         assert out == [10.0, 10.0, 20.0, 20.0] and x == [30.0, 30.0]
@@ -531,5 +522,5 @@ def test_an_operation_handed_over_as_it_is_waits_behind_a_staged_one():
         return first.wait().tolist(), second.wait().tolist()
 
     for seed in range(6):
-        got = _direct_run(program, seed=seed, max_delay=6)
+        got = _staged_run(program, "direct", seed=seed, max_delay=6)
         assert got == [([3.0, 3.0], [10.0, 10.0, 20.0, 20.0])] * 2
