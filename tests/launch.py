@@ -28,7 +28,8 @@ def run_ranks(n: int, argv: list[str], *, timeout: float, env: dict[str, str] | 
               launcher: str = "mpi") -> subprocess.CompletedProcess[str]:
     """Run ``python argv...`` on ``n`` ranks; returns the finished process (output merged)."""
     full_env = dict(os.environ)
-    full_env.update({"MCRDL_MULTIRANK": "1", "PYTHONPATH": str(ROOT),
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    full_env.update({"MCRDL_MULTIRANK": "1", "PYTHONPATH": path,
                      "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     full_env.setdefault("MCRDL_TIMEOUT", "30")
     full_env.update(env or {})

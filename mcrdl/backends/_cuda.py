@@ -27,12 +27,43 @@ class CudaDevice(Device):
         self.index = index
         self.name = f"cuda:{index}"
         self._device = torch.device("cuda", index)
+        # torch.cuda's own stream functions (current_stream, the stream() context) check
+        # their arguments and the device in Python on every call, several µs each
+        # (docs/gpu.md); every operation on device buffers asks for the current stream and
+        # most switch it: these are the calls they make underneath.
+        c = torch._C
+        self._get_stream = c._cuda_getCurrentStream  # (stream_id, device_index, device_type)
+        self._set_stream = c._cuda_setStream  # sets the device too, as torch.cuda's does
+        self._get_device = c._cuda_getDevice
+        self._set_device = c._cuda_setDevice
+        self._streams: dict[int, Any] = {}  # Stream objects by stream id
 
     def new_stream(self) -> Any:
         return self._cuda.Stream(device=self._device)  # type: ignore[no-untyped-call]
 
     def current_stream(self) -> Any:
-        return self._cuda.current_stream(self._device)
+        sid, index, kind = self._get_stream(self.index)
+        stream = self._streams.get(sid)
+        if stream is None:
+            if len(self._streams) >= 256:  # external streams come and go: keep it bounded
+                self._streams.clear()
+            stream = self._streams[sid] = self._cuda.Stream(  # type: ignore[no-untyped-call]
+                stream_id=sid, device_index=index, device_type=kind)
+        return stream
+
+    def run_on(self, stream: Any, call: Any, *args: Any) -> Any:
+        """``call(*args)`` with ``stream`` current (what ``with torch.cuda.stream(stream)``
+        does), then the calling thread's current stream and device as they were."""
+        device = self._get_device()
+        prev = self._get_stream(self.index)
+        self._set_stream(stream_id=stream.stream_id, device_index=stream.device_index,
+                         device_type=stream.device_type)
+        try:
+            return call(*args)
+        finally:
+            self._set_stream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+            if device != self.index:
+                self._set_device(device)
 
     def record(self, stream: Any) -> Any:
         event = self._cuda.Event()  # type: ignore[no-untyped-call]
@@ -56,6 +87,5 @@ class CudaDevice(Device):
         # host allocator until the copies that use it have run.
         # (detached: a parameter's gradient has nothing to do with its bytes moving)
         dst, src = dst.detach(), src.detach()
-        with self._cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
+        self.run_on(stream, dst.copy_, src, True)  # (non_blocking)
         (src if src.is_cuda else dst).record_stream(stream)

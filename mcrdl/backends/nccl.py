@@ -10,7 +10,9 @@ How it orders work (``Capabilities.stream_ordered``):
   caller's stream and for the operations this one depends on), and the Work's ``wait()``,
   called right after, makes the group's stream wait for the collective's end: work queued on
   the group's stream afterwards runs after it. Neither call blocks the host (without
-  ``TORCH_NCCL_BLOCKING_WAIT``).
+  ``TORCH_NCCL_BLOCKING_WAIT``). (Options with ``asyncOp`` false, which put the collective
+  on the current stream, were tried: torch 2.11 then returns no Work, so nothing tells the
+  engine when the collective has finished.)
 - completion is ``Work.is_completed()``, a query of NCCL's end event.
 - ProcessGroupNCCL records the tensors on its stream for the caching allocator, and the engine
   holds them until the operation has finished: a tensor the caller drops is not reused early.
@@ -152,9 +154,12 @@ class NCCLBackend(Backend):
     def _on_stream(self, group: _NCCLGroup, call: Any, *args: Any) -> Request:
         """``call(*args)`` with the group's stream current, and that stream made to wait for
         its end (see the module docstring)."""
-        with self._torch.cuda.stream(group.stream):
-            work = call(*args)
-            work.wait()
+        return self.device.run_on(group.stream, self._waited, call, args)
+
+    @staticmethod
+    def _waited(call: Any, args: tuple[Any, ...]) -> Request:
+        work = call(*args)
+        work.wait()  # (the current stream waits for the collective's end; the host does not)
         return work
 
     def start_send(self, group: _NCCLGroup, buf: Buffer, dst: int, tag: int) -> Request:

@@ -102,6 +102,23 @@ def _global_bytes(op: str, elems: int, itemsize: int, n: int) -> int:
     return elems * itemsize
 
 
+def _gpus_shared(comm: Any) -> bool:
+    """Whether two ranks use one GPU (same host, same device UUID), through the bootstrap
+    store (collective)."""
+    import socket
+
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    me = f"{socket.gethostname()}/{getattr(props, 'uuid', torch.cuda.current_device())}"
+    store = comm.runtime.bootstrap.store()
+    keys = [f"mcrdl/bench/gpu/{r}" for r in range(comm.size)]
+    store.set(keys[comm.rank], me)
+    store.wait(keys)
+    seen = [store.get(k).decode() for k in keys]
+    return len(set(seen)) < len(seen)
+
+
 class _Raw:
     """The raw baselines' callables for one point (None where a baseline cannot run it)."""
 
@@ -128,6 +145,13 @@ class _Raw:
                 dist.init_process_group("cpu:gloo,cuda:nccl" if gpu else "gloo", store=store,
                                         rank=comm.rank, world_size=comm.size)
             self.dist = dist
+            if device != "cpu" and _gpus_shared(comm):
+                # torch.distributed's CUDA baseline is NCCL, which refuses two ranks on one GPU
+                # ("Duplicate GPU detected"): no raw-torch points then.
+                self.dist = None
+                if comm.rank == 0:
+                    print("raw-torch: left out on cuda, where ranks share a GPU (its NCCL needs "
+                          "one GPU per rank)", file=sys.stderr)
 
     def mpi_call(self, op: str, t: Any, out: Any, redop: ReduceOp) -> Callable[[], Any] | None:
         if self.mpi is None or self.device != "cpu":

@@ -1,13 +1,40 @@
 #!/usr/bin/env bash
-# GPU checks, on a machine with a CUDA GPU and torch (>= 2.11) installed: the gpu-marked tests,
-# then the GPU benchmark. Nothing is installed: the repository is put on PYTHONPATH.
-#   bash tests/gpu/run.sh          (about a minute on one GPU)
+# GPU checks, on a machine with a CUDA GPU and torch (>= 2.11) installed: what the machine has,
+# the gpu-marked tests, then the GPU benchmarks. Nothing is installed: the repository is put on
+# PYTHONPATH. The MPI cases run where mpi4py finds an MPI library and mpiexec is on PATH
+# (`pip install mpi4py mpich` gives both).
+#   bash tests/gpu/run.sh          (a few minutes on one GPU)
+# Every step has its own time limit, and a failed step does not stop the next ones; the exit
+# status says whether any failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MCRDL_TIMEOUT=60
+status=0
+step() {
+    local limit=$1
+    shift
+    echo "== $* (limit ${limit} s)"
+    local t0=$SECONDS
+    timeout "$limit" "$@"
+    local rc=$?
+    echo "== exit $rc after $((SECONDS - t0)) s: $*"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+nvidia-smi -L 2>/dev/null || true
+python3 - <<'EOF'
+import importlib.util, platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda",
+      torch.version.cuda, "available", torch.cuda.is_available(), "nccl",
+      ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "-")
+for name in ("cupy", "mpi4py", "uvloop", "numpy", "hypothesis"):
+    found = importlib.util.find_spec(name)
+    version = getattr(__import__(name), "__version__", "?") if found else "not installed"
+    print(f"  {name} {version}")
+EOF
+echo "mpiexec: $(command -v mpiexec || echo none)"
 # How this machine's MPI reaches the GPU (CUDA-aware: direct; otherwise staged), if it has one.
-timeout 60 python3 -c "
+step 60 python3 -c "
 import mcrdl
 try:
     comm = mcrdl.init(backends=['mpi'])
@@ -20,6 +47,11 @@ else:
           'direct', sorted(mpi.capabilities.direct))
     mcrdl.finalize()
 "
-timeout 300 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -x; status=$?
-timeout 180 python3 benchmarks/gpu_lanes.py || status=1
+step 300 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -ra --timeout 150
+step 150 python3 benchmarks/gpu_lanes.py
+step 120 env MCRDL_BACKENDS=gloo,nccl python3 -m mcrdl bench --device cuda --no-progress \
+    --ops allreduce,alltoall --sizes 4:64M --factor 4 --backends nccl,gloo --budget 0.03
+if command -v mpiexec >/dev/null; then
+    step 150 mpiexec -n 2 python3 benchmarks/gpu_staged.py
+fi
 exit $status

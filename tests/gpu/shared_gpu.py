@@ -1,8 +1,8 @@
-"""Two ranks on one GPU over the staged host backends: every rank's CUDA tensors go through
+"""Ranks sharing one GPU over the staged host backends: every rank's CUDA tensors go through
 pinned host copies to gloo (and MPI, under mpiexec), and come back in device memory.
 
-Run by ``tests/gpu/test_gpu.py`` under torchrun and, where there is an mpiexec, under it.
-NCCL refuses two ranks on one GPU; staging does not care.
+Run by ``tests/gpu/test_gpu.py``: 2 ranks under torchrun and, where there is an mpiexec, 2
+and 4 under it. NCCL refuses two ranks on one GPU; staging does not care.
 """
 
 from __future__ import annotations

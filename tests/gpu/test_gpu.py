@@ -4,13 +4,11 @@ Marked ``gpu`` (the default run leaves them out) and skipped where CUDA is missi
 allows one NCCL rank, so these run a world of one process: every operation on the ``nccl``
 backend against what it must produce, stream ordering with no host synchronization between a
 kernel and the operation that reads what it wrote, ``wait_stream``, and a tensor dropped
-while in flight. ``tests/gpu/run.sh`` runs them (and ``benchmarks/gpu_lanes.py``) on a machine
+while in flight. ``tests/gpu/run.sh`` runs them (and the GPU benchmarks) on a machine
 with a GPU.
 """
 
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 
@@ -52,7 +50,8 @@ def comm():
 def test_nccl_first_and_gloo_staged(comm):
     x = torch.ones(4, device="cuda")
     fut = comm.allreduce(x)
-    assert fut.lane.backend_name == "nccl"  # a stream-ordered backend first for device memory
+    # A stream-ordered backend first for device memory (nccl, or cupy-nccl where cupy is up).
+    assert comm.runtime.backend(fut.lane.backend_name).capabilities.stream_ordered
     fut.wait()
     caps = comm.runtime.backend("gloo").capabilities
     assert "cuda" in caps.devices and caps.staged == frozenset({"cuda"})
@@ -138,6 +137,28 @@ def test_an_operation_reads_what_a_kernel_queued_before_it_wrote(comm, backend):
     assert bool((out == 3.0).all())
 
 
+def test_the_lanes_stream_waits_for_the_nccl_collective(comm):
+    """The engine's end event for an operation (what ``wait_stream`` and dependants on other
+    streams wait for) is recorded on the lane's stream right after the call: it marks the
+    collective's end only if that stream was made to wait for it (ProcessGroupNCCL queues it
+    on a stream of its own; ``Work.wait()`` does that). A 1-rank allgather of 1 GiB copies
+    for ~0.5 ms: an event recorded behind it on the lane's stream is reached only once the
+    Work is complete."""
+    from mcrdl._buffers import as_buffer
+
+    nccl = comm.runtime.backend("nccl")
+    group = nccl.world()
+    x = torch.ones(1 << 28, device="cuda")
+    out = torch.empty_like(x)
+    torch.cuda.synchronize()
+    work = nccl.start_allgather(group, as_buffer(x, "x"), as_buffer(out, "out", writable=True))
+    end = nccl.device.record(group.stream)
+    end.synchronize()
+    assert work.is_completed()
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()  # given back as it was
+    del x, out
+
+
 def test_wait_stream_orders_a_consumer_without_blocking_the_host(comm):
     x = torch.ones(1 << 20, device="cuda")
     out = torch.empty_like(x)
@@ -210,18 +231,21 @@ def test_cupy_arrays_are_taken_in_place(comm):
     assert float(z.min()) == 20.0
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "mpi"])
-def test_two_ranks_share_one_gpu_over_staged_host_backends(launcher):
-    import shutil
+@pytest.mark.parametrize(("launcher", "ranks"), [("torchrun", 2), ("mpi", 2), ("mpi", 4)])
+def test_ranks_share_one_gpu_over_staged_host_backends(launcher, ranks):
     from pathlib import Path
 
-    from tests.launch import BIN, run_ranks
+    from tests.launch import mpiexec, run_ranks
 
-    if launcher == "mpi" and (not importlib.util.find_spec("mpi4py")
-                              or not shutil.which("mpiexec", path=f"{BIN}:/usr/bin:/usr/local/bin")):
-        pytest.skip("no mpiexec here")
+    if launcher == "mpi":
+        if not _mpi_loads():
+            pytest.skip("mpi4py finds no MPI library here")
+        try:
+            mpiexec()
+        except RuntimeError:
+            pytest.skip("no mpiexec here")
     backends = "gloo" if launcher == "torchrun" else "mpi,gloo"
     script = str(Path(__file__).with_name("shared_gpu.py"))
-    proc = run_ranks(2, [script, backends], timeout=180, launcher=launcher)
+    proc = run_ranks(ranks, [script, backends], timeout=180, launcher=launcher)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    assert "shared GPU ok" in proc.stdout
+    assert f"shared GPU ok: {ranks} ranks" in proc.stdout
