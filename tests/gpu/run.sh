@@ -1,13 +1,31 @@
 #!/usr/bin/env bash
 # GPU checks, on a machine with a CUDA GPU and torch (>= 2.11) installed: what the machine has,
-# the gpu-marked tests, then the GPU benchmarks. Nothing is installed: the repository is put on
-# PYTHONPATH. The MPI cases run where mpi4py finds an MPI library and mpiexec is on PATH
-# (`pip install mpi4py mpich` gives both).
-#   bash tests/gpu/run.sh          (a few minutes on one GPU)
+# the gpu-marked tests, then the GPU benchmarks. The repository is put on PYTHONPATH. The MPI
+# cases run where mpi4py finds an MPI library and mpiexec is on PATH (`pip install mpi4py
+# mpich` gives both). A machine without network gets what it lacks as wheels in .whl/, made
+# where pip works, e.g. for Python 3.12:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --platform manylinux_2_28_x86_64 --platform manylinux1_x86_64 -d .whl mpi4py mpich
+# which this script installs under $TMPDIR for its own run (mpich with its mpiexec).
+#   bash tests/gpu/run.sh          (about two minutes on one H200)
 # Every step has its own time limit, and a failed step does not stop the next ones; the exit
 # status says whether any failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+if compgen -G ".whl/*.whl" >/dev/null; then
+    tmp=${TMPDIR:-/tmp}
+    pip_in() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "$@"; }
+    others=$(ls .whl/*.whl | grep -v '/mpich-')
+    if [ -n "$others" ]; then
+        pip_in --upgrade --target "$tmp/mcrdl-gpu-site" $others || exit 3
+        export PYTHONPATH="$tmp/mcrdl-gpu-site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    if compgen -G ".whl/mpich-*.whl" >/dev/null; then
+        pip_in --ignore-installed --prefix "$tmp/mcrdl-gpu-mpich" .whl/mpich-*.whl || exit 3
+        export PATH="$tmp/mcrdl-gpu-mpich/bin:$PATH"
+        export LD_LIBRARY_PATH="$tmp/mcrdl-gpu-mpich/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    fi
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MCRDL_TIMEOUT=60
 status=0
 step() {
@@ -53,5 +71,8 @@ step 120 env MCRDL_BACKENDS=gloo,nccl python3 -m mcrdl bench --device cuda --no-
     --ops allreduce,alltoall --sizes 4:64M --factor 4 --backends nccl,gloo --budget 0.03
 if command -v mpiexec >/dev/null; then
     step 150 mpiexec -n 2 python3 benchmarks/gpu_staged.py
+    step 60 mpiexec -n 1 python3 benchmarks/gpu_staged.py
+    step 120 env MCRDL_BACKENDS=mpi,gloo mpiexec -n 2 python3 -m mcrdl bench --device cuda \
+        --no-progress --ops allreduce,alltoall --sizes 4:16M --factor 4 --budget 0.03
 fi
 exit $status

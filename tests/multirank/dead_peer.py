@@ -38,6 +38,10 @@ for backend in ("mpi", "gloo"):
         errors[backend] = type(exc).__name__
 line = (f"survivor rank={comm.rank} mpi={errors['mpi']} gloo={errors['gloo']} "
         f"after={time.perf_counter() - t0:.1f}")
-# A file, not stdout: the launcher stops forwarding output once a rank has died.
-with open(os.path.join(os.environ["MCRDL_RESULT_DIR"], f"rank{comm.rank}.txt"), "w") as fh:
+# A file, not stdout: the launcher stops forwarding output once a rank has died. Written
+# whole or not at all (renamed into place): hydra may end this process at any moment, and once
+# did between the file's creation and its write, leaving an empty report.
+path = os.path.join(os.environ["MCRDL_RESULT_DIR"], f"rank{comm.rank}.txt")
+with open(path + ".part", "w") as fh:
     fh.write(line + "\n")
+os.replace(path + ".part", path)
