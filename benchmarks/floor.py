@@ -1,10 +1,13 @@
 """How much of the engine's cost per operation any Python engine with its guarantees pays.
 
     python benchmarks/floor.py [--iters 20000] [--runs 3] [--bytes 4]
+    mpiexec -n 2 python benchmarks/floor.py --bytes 4,4K,64K,256K,1M
 
-One process, a communicator of one rank, where MPI finishes an allreduce at its issue: what
-is timed is Python around MPI, nothing else. Three calls, alternated call by call (``common.
-alternate``; medians of each run):
+In one process, a communicator of one rank, where MPI finishes an allreduce at its issue: what
+is timed is Python around MPI, nothing else. Under ``mpiexec -n 2``, the same at two ranks,
+each call's time taken on the slower rank (as ``benchmarks/overhead.py`` does): what
+``overhead.py``'s targets ask, against the least any Python engine with mcrdl's guarantees
+pays. Three calls, alternated call by call (``common.alternate``; medians of each run):
 
 - ``raw nb``: mpi4py's ``Iallreduce`` on a numpy view made once, then its ``Test`` loop (the
   floor column of ``benchmarks/overhead.py``);
@@ -40,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mcrdl  # noqa: E402
-from common import alternate, host  # noqa: E402
+from common import alternate, host, human, parse_sizes  # noqa: E402
 from mcrdl import ReduceOp  # noqa: E402
 
 
@@ -134,57 +137,65 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=20000)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--bytes", type=int, default=4)
+    ap.add_argument("--bytes", default="4", help="message sizes: 4, or 4,4K,64K, or 4:1M")
     args = ap.parse_args()
     comm = mcrdl.init()
-    if comm.size != 1:
-        raise SystemExit("run it as one process: python benchmarks/floor.py")
     from mpi4py import MPI
 
     raw_comm = MPI.COMM_WORLD.Dup()
-    t = torch.ones(max(1, args.bytes // 4))
-    a = t.numpy()
-
-    def raw() -> None:
-        req = raw_comm.Iallreduce(MPI.IN_PLACE, a)
-        while not req.Test():
-            pass
-
+    n = comm.size
     straight_call = straight_allreduce(MPI, raw_comm)
+    if comm.rank == 0:
+        print(f"# {host()}")
+        print(f"# allreduce on {n} rank(s), µs per call (medians of {args.iters} alternated "
+              f"calls per pair and run{'; each call the slowest rank' if n > 1 else ''})")
+        print(f"{'bytes':>6} {'run':>3} | {'raw nb':>7} {'straight':>8} {'mcrdl':>7} | "
+              f"{'straight - raw':>14} {'mcrdl - straight':>16} {'mcrdl - raw':>11}")
+    for nbytes in parse_sizes(args.bytes):
+        # zeros: the sum over any number of ranks leaves them as they are
+        t = torch.zeros(max(1, nbytes // 4))
+        a = t.numpy()
 
-    def straight() -> None:
-        straight_call(t)
+        def raw() -> None:
+            req = raw_comm.Iallreduce(MPI.IN_PLACE, a)
+            while not req.Test():
+                pass
 
-    def engine() -> None:
-        comm.allreduce(t, backend="mpi").wait()
+        def straight() -> None:
+            straight_call(t)
 
-    # the calls give the same result (the sum over one rank leaves t as it is)
-    straight()
-    engine()
-    assert torch.equal(t, torch.ones_like(t))
-    print(f"# {host()}")
-    print(f"# allreduce of {t.nbytes} B on one rank, µs per call (medians of {args.iters} "
-          f"alternated calls per pair and run)")
-    print(f"{'run':>3} | {'raw nb':>7} {'straight':>8} {'mcrdl':>7} | {'straight - raw':>14} "
-          f"{'mcrdl - straight':>16} {'mcrdl - raw':>11}")
-    for run in range(args.runs):
-        for _ in range(2000):  # warm every path
-            raw()
-            straight()
-            engine()
-        r1, s1 = alternate(raw, straight, args.iters)
-        s2, m2 = alternate(straight, engine, args.iters)
-        r3, m3 = alternate(raw, engine, args.iters)
-        us = 1e6
-        rw = statistics.median(r1 + r3) * us
-        st = statistics.median(s1 + s2) * us
-        mc = statistics.median(m2 + m3) * us
-        # the differences from the pairs that hold both calls (each pair sees one machine)
-        d_sr = statistics.median(np.subtract(s1, r1)) * us
-        d_ms = statistics.median(np.subtract(m2, s2)) * us
-        d_mr = statistics.median(np.subtract(m3, r3)) * us
-        print(f"{run:>3} | {rw:7.2f} {st:8.2f} {mc:7.2f} | {d_sr:+14.2f} {d_ms:+16.2f} "
-              f"{d_mr:+11.2f}")
+        def engine() -> None:
+            comm.allreduce(t, backend="mpi").wait()
+
+        # the calls give the same result
+        straight()
+        engine()
+        assert not t.any()
+        iters = max(200, min(args.iters, args.iters * 4096 // max(4096, nbytes)))
+        for run in range(args.runs):
+            for _ in range(max(100, iters // 10)):  # warm every path
+                raw()
+                straight()
+                engine()
+            pairs = [alternate(raw, straight, iters), alternate(straight, engine, iters),
+                     alternate(raw, engine, iters)]
+            # each call's time on the slowest rank (the ranks make the calls in step)
+            (r1, s1), (s2, m2), (r3, m3) = [
+                tuple(np.max(raw_comm.allgather(np.array(x)), axis=0) for x in pair)
+                for pair in pairs]
+            if comm.rank:
+                continue
+            us = 1e6
+            med = statistics.median
+            rw = med(np.concatenate([r1, r3])) * us
+            st = med(np.concatenate([s1, s2])) * us
+            mc = med(np.concatenate([m2, m3])) * us
+            # the differences from the pairs that hold both calls (each pair sees one machine)
+            d_sr = med(s1 - r1) * us
+            d_ms = med(m2 - s2) * us
+            d_mr = med(m3 - r3) * us
+            print(f"{human(nbytes):>6} {run:>3} | {rw:7.2f} {st:8.2f} {mc:7.2f} | "
+                  f"{d_sr:+14.2f} {d_ms:+16.2f} {d_mr:+11.2f}", flush=True)
     raw_comm.Free()
     mcrdl.finalize()
 

@@ -185,6 +185,26 @@ def test_a_lone_wait_spins_on_its_request_and_settles_it():
         fut.wait(timeout=0.05)
     assert slow.one_tests == 0 and slow.tests > 0
 
+def test_a_lone_spin_counts_as_a_driver_so_the_background_thread_keeps_off():
+    """While a waiter spins on its lone operation the engine counts it as a driver, so the
+    background thread parks instead of polling beside it: a test of a large MPI message moves
+    a chunk of it, the spin can last the whole operation, and the thread's polls beside it
+    slowed large operations (docs/performance.md)."""
+    backend = Counting(after=5)
+    engine = Engine(background=False)
+    fut = submit(engine, backend, "allreduce")
+    seen = []
+    real_test_one = backend.test_one
+
+    def test_one(request):
+        seen.append(engine.drivers)
+        return real_test_one(request)
+
+    backend.test_one = test_one  # type: ignore[method-assign]
+    assert engine.spin_lone(fut) is True
+    assert seen == [1] * 5 and engine.drivers == 0
+
+
 def test_the_contract_default_test_one_reports_a_failed_request():
     """Backend.test_one, for a backend that does not override it, answers through test():
     a request that finished with an error raises it, and the lone spin fails the future."""
