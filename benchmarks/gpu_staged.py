@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mcrdl  # noqa: E402
 from common import alternate, human, parse_sizes  # noqa: E402
+from common import timed as timed_each  # noqa: E402
 
 
 def _median_us(times: list[float]) -> float:
@@ -80,17 +80,18 @@ def main() -> None:
         for _ in range(k):
             torch.mm(m, m)
 
+    def synced() -> None:  # the ranks together, their devices idle
+        world.Barrier()
+        torch.cuda.synchronize()
+
     def timed(call, reps: int = 15) -> float:  # type: ignore[no-untyped-def]
-        call()
-        times = []
-        for _ in range(reps):
-            world.Barrier()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
+        """Median µs of ``call`` and the device work it queued."""
+        def whole() -> None:
             call()
             torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return _median_us(times)
+
+        whole()
+        return _median_us(timed_each(whole, reps, synced))
 
     comm_us = timed(lambda: comm.allreduce(big, backend="mpi").wait())
     one_us = timed(lambda: products(10)) / 10

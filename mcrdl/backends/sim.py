@@ -194,8 +194,6 @@ class SimBackend(Backend):
         if self.semantics == "stream" and self.device is None:
             raise ValueError("sim semantics 'stream' needs a world with a device")
         self._streams: dict[str, Any] = {}
-        #: Whether its reductions need host memory (a world's ``direct`` backend).
-        self.host_reductions = False
         self._world_group = SimGroup("world", tuple(range(bootstrap.size)), bootstrap.rank,
                                      bootstrap.size)
 
@@ -220,7 +218,9 @@ class SimBackend(Backend):
     # -- operations ----------------------------------------------------------------------
 
     def host_only(self, op: OpKind, args: tuple[Any, ...]) -> bool:
-        return self.host_reductions and op in REDUCING
+        # A world's ``direct`` backend (the only kind that declares ``direct``) reduces in
+        # host memory, as a CUDA-aware MPI's half-precision reductions do.
+        return bool(self.capabilities.direct) and op in REDUCING
 
     def _collective(self, group: SimGroup, kind: str, signature: tuple[Any, ...],
                     args: tuple[Any, ...]) -> Request:

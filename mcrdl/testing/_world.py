@@ -232,7 +232,6 @@ class SimWorld:
                 sims[name].capabilities = replace(sims[name].capabilities,
                                                   devices=frozenset({"cpu"}),
                                                   direct=frozenset({SIM_KIND}))
-                sims[name].host_reductions = True
             engine = (engine_factory or Engine)(
                 background=False, policy=PollPolicy(spin_polls=0), timeout=timeout,
                 clock=self.clock)
