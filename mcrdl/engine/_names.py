@@ -22,6 +22,12 @@ carries a bit per slot, so a training step that submits the same names every ite
 on all of them with one allgather of a few words, whatever their number. A name with no slot
 yet is first *announced* (its length in bytes), then *published* in the next round's name
 area, sized by the largest announcement; it is agreed once every member has published it.
+The cache holds ``CACHE_SLOTS`` keys: once full, a newly agreed key takes the slot of the
+least recently agreed one (every member evicts the same, since each reads the same tables in
+the same order), and an operation ready here under the evicted key is offered by name again.
+So a program that names its operations per step (``f"step{s}/grad{i}"``) keeps the rows
+bounded; a step of more than ``CACHE_SLOTS`` names stays right but publishes names every
+round. A finished operation is forgotten at the next round (its buffers with it).
 
 When a member posts a round (one in flight at a time), so that every member that has
 something left posts again, and none spins rounds that cannot agree anything:
@@ -74,6 +80,8 @@ _AREA_CAP = 1 << 16
 _HEAD = 3
 #: The longest name (UTF-8 bytes).
 MAX_NAME_BYTES = 1024
+#: Keys the response cache holds (a round's row carries a bit per slot: 64 words at most).
+CACHE_SLOTS = 4096
 #: Seconds before re-posting after a round that agreed nothing, while nothing new is ready
 #: here; doubled after each such round up to the maximum.
 _BACKOFF_MIN = 50e-6
@@ -103,9 +111,11 @@ class Names:
     Invariants:
     - ``held`` maps each named operation submitted here and not yet placed to its
       [signature, the time it became ready (None while its dependencies run)].
-    - ``live`` maps a name to the last operation submitted with it.
+    - ``live`` maps a name to the last operation submitted with it, until a round after
+      that operation finished.
     - ``keys[i]`` is the (name, signature) of slot ``i``; ``slots`` is its inverse; both
-      are the same on every member.
+      are the same on every member, and hold at most ``CACHE_SLOTS`` keys. ``recent`` holds
+      every slot, the least recently agreed first.
     - bit ``i`` of ``mask`` is set while ``by_slot[i]``, a ready operation of slot ``i``,
       waits here; ``fresh`` maps the keys of ready operations without a slot to them, in
       the order they became ready; ``unpublished`` holds those not yet published.
@@ -125,6 +135,7 @@ class Names:
         self.live: dict[str, CommFuture] = {}
         self.keys: list[tuple[str, str]] = []
         self.slots: dict[tuple[str, str], int] = {}
+        self.recent: dict[int, None] = {}
         self.mask = 0
         self.by_slot: dict[int, CommFuture] = {}
         self.fresh: dict[tuple[str, str], CommFuture] = {}
@@ -139,6 +150,7 @@ class Names:
         # What the last completed round said, for timeouts: when, and each member's bits.
         self.last_time = -1.0
         self.last_masks: list[int] = []
+        self.evicted: list[int] = []  # slots that changed keys after the last round's masks
 
     # -- operations ----------------------------------------------------------------------
 
@@ -271,12 +283,17 @@ class Names:
                     published[r][key] = None
                     if r == me:
                         del self.unpublished[key]
-        placed = [self.by_slot.pop(slot) for slot in _bits(everywhere)]
+        recent = self.recent
+        placed = []
+        for slot in _bits(everywhere):
+            placed.append(self.by_slot.pop(slot))
+            del recent[slot]  # now the most recently agreed
+            recent[slot] = None
         self.mask &= ~everywhere
+        agreed = []
         if any(published):
-            for key in [k for k in published[0] if all(k in p for p in published[1:])]:
-                self.slots[key] = len(self.keys)
-                self.keys.append(key)
+            agreed = [k for k in published[0] if all(k in p for p in published[1:])]
+            for key in agreed:
                 for p in published:
                     del p[key]
                 placed.append(self.fresh.pop(key))
@@ -286,7 +303,11 @@ class Names:
         engine.place(placed)
         self.last_time = now = engine._clock()
         self.last_masks = masks
-        lacking = self._check_signatures(masks, everywhere)
+        lacking = self._check_signatures(masks, everywhere)  # (with the slots as posted)
+        self.evicted = [self._cache(key) for key in agreed]
+        live = self.live
+        for name in [n for n, f in live.items() if f._state >= DONE]:
+            del live[name]
         self.area = min(_AREA_CAP, (int(table[:, 1].max()) + 7) // 8 * 8)
         left = self.mask or self.fresh
         if placed:
@@ -297,6 +318,29 @@ class Names:
             self.later = now + self.backoff
             self.backoff = min(2 * self.backoff, _BACKOFF_MAX)
             engine.defer(self)
+
+    def _cache(self, key: tuple[str, str]) -> int:
+        """Give the agreed ``key`` a slot: a new one while there is room, else the least
+        recently agreed one's; return the slot taken from another key (-1: none)."""
+        keys, recent = self.keys, self.recent
+        if len(keys) < CACHE_SLOTS:
+            slot = self.slots[key] = len(keys)
+            keys.append(key)
+            recent[slot] = None
+            return -1
+        slot = next(iter(recent))
+        del recent[slot]
+        recent[slot] = None
+        old = keys[slot]
+        del self.slots[old]
+        keys[slot] = key
+        self.slots[key] = slot
+        fut = self.by_slot.pop(slot, None)
+        if fut is not None:  # ready here under the old key: offered by name from now on
+            self.mask &= ~(1 << slot)
+            self.fresh[old] = fut
+            self.unpublished[old] = None
+        return slot
 
     def _parse(self, row: np.ndarray, words: int, area: int) -> list[tuple[str, str]]:
         start = (_HEAD + words) * 8
@@ -354,6 +398,8 @@ class Names:
             return (f"{head}: {who} not submitted it (no agreement round has completed "
                     f"since; every member must submit each name)")
         slot = self.slots.get(key)  # type: ignore[arg-type]
+        if slot in self.evicted:
+            slot = None  # the last masks' bit there meant the key it had before
         missing = [r for r in others
                    if not ((slot is not None and self.last_masks[r] >> slot & 1)
                            or key in self.published[r])]

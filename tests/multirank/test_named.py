@@ -63,6 +63,27 @@ def test_many_tasks_in_per_rank_orders_over_several_steps(comm):
     assert comm._names.keys  # the names were cached
 
 
+def test_names_used_once_do_not_keep_their_buffers(comm):
+    """Names made per step (``f"step{s}/grad{i}"``): once their operations finished, the
+    runtime lets their tensors go (a round later at the latest)."""
+    import gc
+    import weakref
+
+    steps, n = 30, 4
+    refs = []
+    for s in range(steps):
+        bufs = [torch.full((8,), float(i)) for i in range(n)]
+        futs = [comm.allreduce(b, name=f"step{s}/grad{i}") for i, b in enumerate(bufs)]
+        for f in futs:
+            f.wait()
+        assert [b[0].item() for b in bufs] == [float(i * comm.size) for i in range(n)]
+        refs.extend(weakref.ref(b) for b in bufs)
+        del bufs, futs, f
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    assert alive <= 2 * n, f"{alive} of {steps * n} named tensors are still alive"
+
+
 def test_named_operations_keep_their_hazards_and_after_edges(comm):
     """In one task: a named allreduce, then an unnamed broadcast of the same buffer (a
     hazard), then a named allgather after= the broadcast; other tasks run meanwhile."""

@@ -39,6 +39,8 @@ CASES = {
     "mpi-like": (MPI_LIKE, {}),
     "every semantics": (SEMANTICS, {}),
     "faults": (MPI_LIKE, {"min_faults": 1, "max_faults": 2, "faults": FAULTS}),
+    # a response cache of two slots: names evicted and published again in most rounds
+    "small cache": (MPI_LIKE, {}),
 }
 
 
@@ -50,6 +52,17 @@ def test_named_blocks_in_per_rank_orders_match_the_reference(case, data, seed):
     """Every rank's result equals the sequential reference; with faults, every element a
     correct runtime must have right, and nothing hangs."""
     backends, faults = CASES[case]
+    if case == "small cache":
+        from mcrdl.engine import _names
+
+        saved, _names.CACHE_SLOTS = _names.CACHE_SLOTS, 2
+        try:
+            program = data.draw(programs(backends=tuple(backends), named=True))
+            check_program(program, seed=seed, backends=backends)
+        finally:
+            _names.CACHE_SLOTS = saved
+        _count(program)
+        return
     program = data.draw(programs(backends=tuple(backends), named=True, **faults))
     check_program(program, seed=seed, backends=backends)
     _count(program)
@@ -185,3 +198,82 @@ def test_a_name_some_member_never_submits_fails_naming_it():
                 or "'c'" in text and "ranks 0, 1 had not submitted it" in text), text
     assert records and all("named operations of world" in r and "waiting for agreement" in r
                            for r in records), records
+
+
+def test_names_used_once_are_forgotten():
+    """A program that names its operations per step (``f"step{s}/grad{i}"``) must not keep
+    every operation it ever named, nor grow the agreement's rows without bound: a finished
+    operation is forgotten at the next round, and the response cache holds at most
+    ``CACHE_SLOTS`` keys (the least recently agreed give theirs up). (That the buffers go
+    with them is checked on MPI: tests/multirank/test_named.py; the simulated world keeps
+    every operation for its own checks.)"""
+    from mcrdl.engine import _names
+
+    steps, n = 40, 4
+
+    def program(comm):
+        for s in range(steps):
+            bufs = [np.full(2, float(i)) for i in range(n)]
+            futs = [comm.allreduce(b, name=f"step{s}/grad{i}") for i, b in enumerate(bufs)]
+            for f in futs:
+                f.wait()
+            assert [b[0] for b in bufs] == [2.0 * i for i in range(n)]
+        return len(comm._names.live), len(comm._names.keys)
+
+    for live, keys in _run(2, program):
+        assert live <= 2 * n
+        assert keys == min(steps * n, _names.CACHE_SLOTS)
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_a_full_response_cache_gives_slots_to_new_names_and_stays_right(monkeypatch, slots):
+    """With room for fewer names than a step submits, every round evicts and re-publishes:
+    results stay right, in per-rank orders, with names coming back after their eviction, and
+    the cache never holds more than its capacity."""
+    from mcrdl.engine import _names
+
+    monkeypatch.setattr(_names, "CACHE_SLOTS", slots)
+    steps, n = 5, 6
+
+    def program(comm):
+        rng = np.random.default_rng(comm.rank + 7)
+        bufs = [np.full(2, float(i)) for i in range(n)]
+        most = 0
+        for _ in range(steps):
+            futs = [comm.allreduce(bufs[i], name=f"g{i}") for i in rng.permutation(n)]
+            for f in futs:
+                f.wait()
+                most = max(most, len(comm._names.keys))
+        return most, [b[0] for b in bufs]
+
+    for most, values in _run(3, program):
+        assert most <= slots
+        assert values == [i * 3.0 ** steps for i in range(n)]
+
+
+def test_an_operation_ready_under_an_evicted_name_is_offered_by_name_again(monkeypatch):
+    """A cache of one slot: rank 0 has "a" ready under its slot when the round that agrees
+    "b" gives "b" that slot; rank 1 submits "a" only after "b" finished. Rank 0 must offer
+    its "a" by name again (its bit now stands for "b"), or the two never meet."""
+    from mcrdl.engine import _names
+
+    monkeypatch.setattr(_names, "CACHE_SLOTS", 1)
+
+    def program(comm):
+        x, y = np.ones(2), np.full(2, 10.0)
+        comm.allreduce(np.ones(2), name="a").wait()  # "a" takes the slot
+        if comm.rank == 0:
+            fa = comm.allreduce(x, name="a")
+            fb = comm.allreduce(y, name="b")
+            fb.wait()
+            fa.wait()
+        else:
+            comm.allreduce(y, name="b").wait()
+            comm.allreduce(x, name="a").wait()
+        again = np.full(2, 5.0)
+        comm.allreduce(again, name="b").wait()
+        return x[0], y[0], again[0], list(comm._names.keys)
+
+    out = SimWorld(2, MPI_LIKE, seed=1, timeout=2.0).run(program)
+    assert [o[:3] for o in out] == [(2.0, 20.0, 10.0)] * 2
+    assert all(o[3] == [("b", o[3][0][1])] for o in out), out
