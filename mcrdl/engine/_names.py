@@ -112,7 +112,7 @@ class Names:
     - ``held`` maps each named operation submitted here and not yet placed to its
       [signature, the time it became ready (None while its dependencies run)].
     - ``live`` maps a name to the last operation submitted with it, until a round after
-      that operation finished.
+      that operation finished (or a submission that finds ``live`` past ``forget_at``).
     - ``keys[i]`` is the (name, signature) of slot ``i``; ``slots`` is its inverse; both
       are the same on every member, and hold at most ``CACHE_SLOTS`` keys. ``recent`` holds
       every slot, the least recently agreed first.
@@ -133,6 +133,7 @@ class Names:
         self.size = comm.size
         self.held: dict[CommFuture, list[Any]] = {}
         self.live: dict[str, CommFuture] = {}
+        self.forget_at = 64  # live's size at which a submission forgets the finished
         self.keys: list[tuple[str, str]] = []
         self.slots: dict[tuple[str, str], int] = {}
         self.recent: dict[int, None] = {}
@@ -168,8 +169,11 @@ class Names:
                 f"not finished; a name stands for one operation at a time: wait for it "
                 f"first, or give this one another name"
             )
-        self.live[name] = fut  # type: ignore[index]
+        live = self.live
+        live[name] = fut  # type: ignore[index]
         self.held[fut] = [sig, None]
+        if len(live) > self.forget_at:  # (no rounds in a world of one, or none for long)
+            self._forget()
 
     def ready(self, fut: CommFuture) -> None:
         """``fut``'s dependencies have finished: offer it to the members' agreement."""
@@ -305,9 +309,7 @@ class Names:
         self.last_masks = masks
         lacking = self._check_signatures(masks, everywhere)  # (with the slots as posted)
         self.evicted = [self._cache(key) for key in agreed]
-        live = self.live
-        for name in [n for n, f in live.items() if f._state >= DONE]:
-            del live[name]
+        self._forget()
         self.area = min(_AREA_CAP, (int(table[:, 1].max()) + 7) // 8 * 8)
         left = self.mask or self.fresh
         if placed:
@@ -318,6 +320,13 @@ class Names:
             self.later = now + self.backoff
             self.backoff = min(2 * self.backoff, _BACKOFF_MAX)
             engine.defer(self)
+
+    def _forget(self) -> None:
+        """Drop the finished operations from ``live`` (their results with them)."""
+        live = self.live
+        for name in [n for n, f in live.items() if f._state >= DONE]:
+            del live[name]
+        self.forget_at = 2 * len(live) + 64  # amortized: O(1) per submission
 
     def _cache(self, key: tuple[str, str]) -> int:
         """Give the agreed ``key`` a slot: a new one while there is room, else the least
