@@ -6,7 +6,13 @@ the list after each completion is O(n) again): 10,000 operations in flight cost 
 A track instead tests the oldest ``WINDOW`` requests (collectives finish roughly in issue
 order) plus a window that rotates over the rest, so every request is tested within
 ``len / WINDOW`` polls (rule 5 of DESIGN.md: progress everywhere). Finished entries leave
-holes that are compacted once they make up most of the list, so removal is amortized O(1).
+holes that are compacted once they make up most of the list, so removal is amortized O(1):
+the holes before the oldest live entry are skipped at once, and the others are squeezed out
+once there are more of them than live entries and a window. (Only the first kind was once
+compacted: behind one long-lived request, a receive posted for a stop message, every later
+operation left a hole, the lists grew with every operation, and a new one waited len/64
+polls for the rotating window to reach it: 207 µs per MPI allreduce became 2.5 ms after
+11,000.)
 """
 
 from __future__ import annotations
@@ -112,6 +118,14 @@ class Track:
             del futs[:first]
             del self.reqs[:first]
             self.rot = max(0, self.rot - first)
+            end -= first
+            first = 0
+        if end - first - self.live > max(WINDOW, self.live):  # holes among the live ones
+            reqs = self.reqs
+            keep = [i for i in range(first, end) if futs[i] is not None]
+            self.futs = [futs[i] for i in keep]
+            self.reqs = [reqs[i] for i in keep]
+            self.rot = 0  # (wraps to the first rotating position at the next poll)
             first = 0
         self.first = first
 
