@@ -313,6 +313,8 @@ class Runtime:
         with self.engine.lock:
             for slot in comm.slots():
                 slot.backend.free_group(slot.group)
+        for state in {slot.lane.comm for slot in comm.slots()}:
+            self.engine.forget(state)
         self._comms.remove(comm)
 
     def _keep(self, comm: Communicator) -> None:

@@ -306,6 +306,14 @@ class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
         region = _region.get()
         return region if region is not None else self.pinned
 
+    def shutdown(self) -> None:
+        """``dist.destroy_process_group(group)``: close the group's communicator (after its
+        operations), releasing its backend groups, threads and sockets. The default group's
+        is mcrdl's world, which ``mcrdl.finalize()`` releases."""
+        comm = self.comm
+        if comm is not comm.runtime.world:
+            comm.close()
+
     # -- collectives ---------------------------------------------------------------------
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:

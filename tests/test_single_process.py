@@ -157,6 +157,25 @@ def test_split_on_one_rank(world):
     sub.close()  # idempotent
 
 
+def test_closed_communicators_leave_nothing_in_the_engine(world):
+    """A loop that splits and closes a communicator per step: the engine forgets each closed
+    one and its lanes (their timeouts and flight records included), and a named operation's
+    state goes with it."""
+    engine = world.runtime.engine
+    sub = world.split(0)
+    sub.allreduce(np.ones(2), name="g").wait()
+    sub.close()
+    comms, lanes = len(engine._comms), len(engine.lanes())
+    for _ in range(20):
+        sub = world.split(0)
+        sub.allreduce(np.ones(2), name="g").wait()
+        sub.allreduce(np.ones(2)).wait()
+        sub.close()
+    assert (len(engine._comms), len(engine.lanes())) == (comms, lanes)
+    assert all(lane.comm.name == "world" or not lane.comm.name.startswith("world.")
+               for lane in engine.lanes())
+
+
 def test_launcher_detection():
     assert detect_launcher({}) == "single"
     assert detect_launcher({"PMI_RANK": "0", "PMI_SIZE": "2"}) == "mpi"

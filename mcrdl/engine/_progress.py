@@ -350,6 +350,18 @@ class Engine:
         """Every lane, in creation order."""
         return list(self._lanes.values())
 
+    def forget(self, comm: CommState) -> None:
+        """Drop the closed communicator ``comm`` and its lanes (its operations have been
+        waited for; a zombie keeps its own lane alive, for as long as it lives). A
+        communicator made later under the same name starts afresh."""
+        with self._lock:
+            if self._comms.get(comm.name) is comm:
+                del self._comms[comm.name]
+            for lane in comm.lanes:
+                key = (lane.backend_name, lane.comm_name)
+                if self._lanes.get(key) is lane:
+                    del self._lanes[key]
+
     @property
     def lock(self) -> threading.Lock:
         """The engine's lock: hold it for any direct call into a backend outside the engine."""

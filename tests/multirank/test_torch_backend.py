@@ -215,6 +215,28 @@ def test_groups_of_every_rank_are_independent(backend):
     assert a.tolist() == [total] * 4 and b.tolist() == [100 * total] * 4
 
 
+def test_destroying_a_group_releases_its_communicator():
+    """dist.destroy_process_group(g) closes g's communicator: new_group, a collective and
+    destroy in a loop leave the runtime's communicators, the engine's lanes and the threads
+    as they were (before, each cycle kept a communicator with its gloo threads and sockets)."""
+    import threading
+
+    runtime = mcrdl.torch.communicator().runtime
+    t = torch.ones(4)
+    g = dist.new_group(list(range(dist.get_world_size())))
+    dist.all_reduce(t, group=g)
+    dist.destroy_process_group(g)
+    before = (len(runtime._comms), len(runtime.engine.lanes()), threading.active_count())
+    comms = []
+    for _ in range(5):
+        g = dist.new_group(list(range(dist.get_world_size())))
+        dist.all_reduce(t, group=g)
+        comms.append(mcrdl.torch.communicator(g))
+        dist.destroy_process_group(g)
+    assert all(c.closed for c in comms)
+    assert (len(runtime._comms), len(runtime.engine.lanes()), threading.active_count()) == before
+
+
 def test_pins_choose_the_backend():
     _need("mpi", "gloo")
     comm = mcrdl.torch.communicator()
