@@ -86,7 +86,10 @@ class Recorder:
         #: Add to this rank's clock to read rank 0's (seconds); set by `align`.
         self.offset = 0.0
         self.skew_bound = 0.0
-        self._gathers = 0
+        self._gathers: dict[str, int] = {}
+        #: Member 0's keys of the last gather every member read, per member list (deleted at
+        #: the next gather of those members).
+        self._unread: dict[str, list[str]] = {}
 
     # -- records ---------------------------------------------------------------------------
 
@@ -153,9 +156,17 @@ class Recorder:
         """Every member's ``payload`` (JSON-able), in member order: on member 0 only, or on
         every member (``everyone``); None elsewhere. Through the store, so that a broken
         communicator does not stop it; a member that never arrives within ``timeout`` is
-        left out (its entry None)."""
-        self._gathers += 1
-        tag = f"mcrdl/gather/{'-'.join(map(str, members))}/{self._gathers}"
+        left out (its entry None).
+
+        Member 0 deletes the payloads once nobody needs them (a program that logs a summary
+        every N steps would otherwise grow the store by every record of every rank each
+        time): this gather's once it read them, where it is their only reader; else the
+        previous gather's of the same members, once every member has arrived at this one
+        (each read the previous one before)."""
+        group = '-'.join(map(str, members))
+        # counted per member list: a rank's gathers on other communicators do not shift it
+        n = self._gathers[group] = self._gathers.get(group, 0) + 1
+        tag = f"mcrdl/gather/{group}/{n}"
         store.set(f"{tag}/{my_index}", json.dumps(payload))
         if my_index != 0 and not everyone:
             return None
@@ -165,7 +176,22 @@ class Recorder:
         except Exception:  # noqa: BLE001 - a member gone: gather who came
             return [json.loads(store.get(k).decode()) if store.check([k]) else None
                     for k in keys]
-        return [json.loads(store.get(k).decode()) for k in keys]
+        out = [json.loads(store.get(k).decode()) for k in keys]
+        if my_index == 0:
+            _delete(store, self._unread.pop(group, []))
+            if everyone:
+                self._unread[group] = keys
+            else:
+                _delete(store, keys)
+        return out
+
+
+def _delete(store: Any, keys: list[str]) -> None:
+    for key in keys:
+        try:
+            store.delete_key(key)
+        except Exception:  # noqa: BLE001 - a store that cannot delete keeps them, as before
+            return
 
 
 # -- the summary -------------------------------------------------------------------------

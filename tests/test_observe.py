@@ -161,3 +161,34 @@ def test_a_rank_that_did_not_report_is_left_out_of_the_trace():
                "records": [_rec("allreduce", 4, 0.001, 0.002)]}
     events = trace_events([payload, None, payload], t0=0.0)
     assert {e["pid"] for e in events} == {0, 2}
+
+
+def test_gathers_are_numbered_per_member_list():
+    """Three ranks as threads over one store: ranks 0 and 1 gather twice on their own
+    two-member communicator, then all three gather. Numbered per process instead, rank 0's
+    and 1's third gather would wait on keys rank 2 never writes (the members left out)."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from mcrdl._observe import Recorder
+
+    store = dist.HashStore()
+    recs = [Recorder(SimpleNamespace(_clock=time.perf_counter), r, 3) for r in range(3)]
+    out: dict[int, list] = {}
+
+    def rank(r):
+        if r < 2:
+            for _ in range(2):
+                assert recs[r].gather(store, [0, 1], r, r, 10.0, everyone=True) == [0, 1]
+        out[r] = recs[r].gather(store, [0, 1, 2], r, r * 10, 2.0, everyone=True)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out == {r: [0, 10, 20] for r in range(3)}
+    assert not store.check(["mcrdl/gather/0-1/1/0"])  # read by both: deleted by member 0

@@ -45,3 +45,21 @@ def test_logged_operations_give_the_same_results_and_are_summarized(world):
     assert int(rows[("alltoall", "gloo", f"{16 * n}B")][4]) == STEPS, text  # n = 2 or 4
     assert int(row[11]) in range(n)
 
+
+
+
+def test_summaries_leave_no_payloads_behind(world):
+    """A summary every few steps: rank 0 deletes each gather's payloads once every member
+    read them (the store grew by every record of every rank per summary)."""
+    store = world.runtime.bootstrap.store()
+    group = "-".join(map(str, world.members))
+    for _ in range(4):
+        world.allreduce(torch.ones(8)).wait()
+        assert "allreduce" in world.log_summary()
+    world.barrier().wait()
+    if world.rank == 0:
+        last = world.runtime.recorder._gathers[group]
+        assert last >= 4
+        old = [f"mcrdl/gather/{group}/{n}/{i}" for n in range(1, last)
+               for i in range(world.size)]
+        assert not any(store.check([k]) for k in old), [k for k in old if store.check([k])]
