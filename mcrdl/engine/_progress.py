@@ -664,14 +664,15 @@ class Engine:
 
     def _pump(self, lane: Lane) -> None:
         """Issue the lane's head operations, in order, while their dependencies are met."""
-        if lane.comm.broken is not None:
-            return  # its pending operations are failing already: nothing is issued again
+        broken = lane.comm.broken is not None
         pending = lane.pending
         while pending:
             head = pending[0]
             if head._state != PENDING:  # failed or cancelled while waiting: skip it
                 pending.popleft()
                 continue
+            if broken:
+                return  # its pending operations are failing already: nothing is issued again
             if head._deps_left or head._route is not None:
                 return
             if lane.issued >= lane.window and head.stream is None:
@@ -796,7 +797,7 @@ class Engine:
                              fut.t_issue, now, ""))
         if self.log is not None:
             self._log(fut, lane, now)
-        fut.start = fut.args = None
+        fut.start = fut.args = fut.finish = None  # (an emulated AVG's holds its tensor)
         if not zombie:
             fut.hold = fut._request = None
         callbacks = fut._callbacks

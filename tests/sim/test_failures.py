@@ -132,3 +132,33 @@ def test_an_issued_collective_cannot_be_cancelled_where_its_backend_cannot():
         return fut.wait().tolist()
 
     assert world.run(program) == [[2.0] * 4] * 2
+
+
+def test_operations_failed_by_a_break_keep_nothing_alive():
+    """Operations queued behind the one that broke the communicator fail and leave its lane,
+    and an emulated AVG's finishing step (which holds its tensor) goes with them: a program
+    that drops its references gets its memory back (before, the failed futures stayed in
+    the lane's queue forever, the AVG's closure holding the tensor)."""
+    import gc
+    import weakref
+
+    def program(comm):
+        lane = comm._slots["mpi"].lane
+        a, x, y = np.ones(4), np.ones(4), np.ones(4)
+        fa = comm.allreduce(a, backend="mpi")
+        fb = comm.allreduce(x, mcrdl.ReduceOp.AVG, backend="mpi")  # queued behind fa
+        fc = comm.allreduce(y, backend="mpi")
+        fb.cancel()
+        for f in (fa, fb, fc):
+            try:
+                f.wait()
+            except Exception:  # noqa: BLE001 - failing is what is tested here
+                pass
+        refs = [weakref.ref(x), weakref.ref(y)]
+        kept = fb  # a failed future the program keeps does not keep its tensor either
+        del a, x, y, fa, fb, fc, f
+        gc.collect()
+        assert kept.exception() is not None
+        return [r() is None for r in refs], len(lane.pending)
+
+    assert SimWorld(2, {"mpi": "windowed"}, seed=1).run(program) == [([True, True], 0)] * 2
