@@ -17,7 +17,7 @@ when no self-progressing backend is in flight and the node is not oversubscribed
 flight: its data moves only inside polls, and sleeping doubled a 64 MiB allreduce.
 ``asyncio.sleep`` was rejected as back-off: its timer resolution made 4 ms steps.
 
-Before any of that, a waiter on the only unfinished operation of a backend that moves data
+Before any of that, a waiter on the only request in flight, of a backend that moves data
 only while polled (MPI) spins on that request with direct tests (``Engine.spin_lone``): a
 test costs ~0.2 µs where a poll of every track costs ~0.7, most of a small MPI operation's
 wait (docs/performance.md has the figures). A lone gloo operation is instead waited for
@@ -65,7 +65,7 @@ class PollPolicy:
 
     Attributes:
         spin_polls: idle polls a waiter spins before yielding, when spinning is safe.
-        lone_spins: direct tests a waiter spins on the only unfinished operation first, when
+        lone_spins: direct tests a waiter spins on the only request in flight first, when
             spinning is safe and its backend moves data only while polled (MPI); a test costs
             ~0.2 µs where a poll costs ~0.7 (``Engine.spin_lone``).
         yield_seconds: how long a waiter yields the CPU between polls before it sleeps

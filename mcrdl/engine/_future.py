@@ -240,7 +240,7 @@ class CommFuture:
             Exception: whatever failed the operation.
         """
         if self._state < DONE:
-            # The commonest wait is on the only unfinished operation, on MPI: spin on it with
+            # The commonest wait is on the only request in flight, on MPI: spin on it with
             # direct tests first (Engine.spin_lone), then poll the general way.
             engine = self._engine
             if not engine.spin_lone(self):

@@ -1087,22 +1087,32 @@ class Engine:
         return progressed
 
     def spin_lone(self, fut: CommFuture) -> bool:
-        """``poll_once`` while ``fut`` is the only unfinished operation, ``lone_spins`` times.
+        """``poll_once`` while ``fut``'s request is the only one in flight, ``lone_spins``
+        times.
 
         Then every track but ``fut``'s is empty and ``fut``'s holds its request alone, so one
         poll is one test of that request: this tests it directly (the backend's ``test_one``),
-        without walking the tracks, and settles it as ``poll_once`` would. Only where spinning
+        without walking the tracks, and settles it as ``poll_once`` would. Other operations
+        may be unfinished, but none is in flight: they wait to be issued behind ``fut`` (a
+        burst on MPI's one-collective window), or for their dependencies, which only ``fut``'s
+        settle or a new submission can move (no named round is due and no device event is
+        awaited; rule 5 holds: there is nothing else to poll). Only where spinning
         is safe: not for a self-progressing backend (its threads need the CPU), not on an
         oversubscribed node, not in a simulated world (its ranks progress only in the idle
         hook). Returns True once ``fut`` is done; False at once where it may not spin, after
         ``lone_spins`` tests, or as soon as another operation arrives or another thread holds
         the lock (the caller then polls the general way). A test costs ~0.2 µs where a poll
-        of every track costs ~0.7, which is most of a small MPI operation's wait.
+        of every track costs ~0.7, which is most of a small MPI operation's wait (and half of
+        a 64 KiB one's in a burst, docs/performance.md).
         """
         lane = fut.lane
-        if (fut._state != ISSUED or self._unfinished != 1 or not lane.spins_alone
-                or self.idle_hook is not None):
+        if (fut._state != ISSUED or not lane.spins_alone or self.idle_hook is not None
+                or lane.track.live != 1 or self._deferred or self._gated):
             return False
+        if self._unfinished != 1:  # the others are all waiting to be issued?
+            for track in self._track_list:
+                if track.live and track is not lane.track:
+                    return False
         # Counted as a driver meanwhile, so that the background thread keeps off: a test of a
         # large message moves a chunk of it, and the spin can last the whole operation; the
         # thread, polling MPI every background_min beside it, slowed large operations by a
@@ -1119,11 +1129,12 @@ class Engine:
         test = track.backend.test_one
         request = fut._request
         burst = range(_BURST)
+        unfinished = self._unfinished
         for _ in self._lone_bursts:  # none on an oversubscribed node
             if not lock.acquire(False):
                 return False
             try:
-                if self._unfinished != 1 or fut._state != ISSUED:
+                if self._unfinished != unfinished or fut._state != ISSUED:
                     return fut._state >= DONE
                 self._n_polls += _BURST
                 # A burst of tests under one hold of the lock: nothing can change meanwhile.
