@@ -8,11 +8,10 @@ order) plus a window that rotates over the rest, so every request is tested with
 ``len / WINDOW`` polls (rule 5 of DESIGN.md: progress everywhere). Finished entries leave
 holes that are compacted once they make up most of the list, so removal is amortized O(1):
 the holes before the oldest live entry and after the newest are dropped at once, and the
-others are squeezed out once there are more of them than live entries and a window. (Only the first kind was once
-compacted: behind one long-lived request, a receive posted for a stop message, every later
-operation left a hole, the lists grew with every operation, and a new one waited len/64
-polls for the rotating window to reach it: 207 µs per MPI allreduce became 2.5 ms after
-11,000.)
+others are squeezed out once there are more of them than live entries and a window. (Behind
+one long-lived request, a receive posted for a stop message, the holes of every later
+operation would otherwise pile up, and a new request would wait len/64 polls for the
+rotating window to reach it: docs/performance.md.)
 """
 
 from __future__ import annotations
