@@ -97,10 +97,15 @@ def test_a_dependant_of_a_failed_receive_fails_and_breaks_only_its_communicator(
         small = np.zeros(1, dtype=np.int64)
         bad = sub.recv(small, 0, tag=9, backend="mpi")
         dep = sub.send(small, 0, tag=10, backend="gloo")  # reads what bad writes
+        # Only now may rank 0 send what makes bad fail: a failure settled before dep's
+        # submission (the progress thread polls while this rank is descheduled, at 4 ranks
+        # on 2 cores) would leave dep nothing unfinished to depend on.
+        sub.send(np.ones(1), 0, tag=11, backend="mpi").wait()
         with pytest.raises(DependencyFailedError, match=r"depends on recv#\d+, which failed"):
             dep.wait()
         assert isinstance(bad.exception(), BackendError)
     elif sub.rank == 0:
+        sub.recv(np.zeros(1), 1, tag=11, backend="mpi").wait()
         sub.send(np.arange(3, dtype=np.int64), 1, tag=9, backend="mpi").wait()
     with pytest.raises(CommBrokenError):
         sub.barrier().wait()
