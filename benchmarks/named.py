@@ -1,7 +1,7 @@
 """What naming collectives costs (rule 8: matched by name in an order the members agree on).
 
     mpiexec -n 2 python benchmarks/named.py [--backend mpi] [--sizes 4,64K,4M] [--inflight 1,8,64]
-                                            [--loop asyncio|uvloop]
+                                            [--loop asyncio|uvloop] [--fusion on|off]
 
 A *step* submits ``k`` allreduces of one size, and waits for them all: in mode ``tasks`` each
 from an asyncio task of its own (the way gradient buckets or pipeline micro-batches run), in
@@ -45,7 +45,14 @@ def main() -> None:
     parser.add_argument("--inflight", default="1,8,64")
     parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
                         help="the event loop of mode tasks")
+    parser.add_argument("--fusion", choices=("on", "off"), default="on",
+                        help="off: no named allreduce is fused with others (engine._fusion), "
+                             "to see what fusion contributes")
     args = parser.parse_args()
+    if args.fusion == "off":
+        from mcrdl.engine import _fusion
+
+        _fusion.FUSE_OP_BYTES = 0  # (the same on every rank: each parses the same arguments)
     sizes = parse_sizes(args.sizes)
     ks = [int(k) for k in args.inflight.split(",")]
     comm = mcrdl.init()
@@ -96,8 +103,8 @@ def main() -> None:
     mcrdl.finalize()
     if rank:
         return
-    print(f"# named vs unnamed allreduce on {backend}, {size_w} ranks, tasks on {args.loop} "
-          f"(median per operation, rank 0)")
+    print(f"# named vs unnamed allreduce on {backend}, {size_w} ranks, tasks on {args.loop}, "
+          f"fusion {args.fusion} (median per operation, rank 0)")
     print(f"{'mode':<5} {'size':>6} {'in flight':>9} | {'unnamed µs':>10} {'named µs':>10} "
           f"{'ratio':>6} {'rounds/step':>11}")
     for mode, size, k, ua, nb, rounds in rows:

@@ -280,14 +280,17 @@ class Communicator:
         """A named collective's signature: what its members must agree on, as text; kept
         per (operation, backend, arguments' dtypes and shapes), since a training step names
         the same shapes every iteration and the text costs a few µs to make."""
-        key = (kind, backend, *((a.dtype, a.obj.shape) if isinstance(a, Buffer) else a
-                                for a in args[1:]))
+        key = (kind, backend, *((a.dtype, a.obj.shape, a.device == "cpu")
+                                if isinstance(a, Buffer) else a for a in args[1:]))
         sig = self._sigs.get(key)
         if sig is None:
             if len(self._sigs) >= 4096:  # (alltoallv's counts vary: never grow unbounded)
                 self._sigs.clear()
-            sig = self._sigs[key] = describe(self._fingerprint(0, kind, backend, args),
-                                             sorted(self._slots), seq=False)
+            sig = describe(self._fingerprint(0, kind, backend, args), sorted(self._slots),
+                           seq=False)
+            if any(isinstance(a, Buffer) and a.device != "cpu" for a in args[1:]):
+                sig += " in device memory"  # (fusion reads where the bytes are: rule 8)
+            self._sigs[key] = sig
         return sig
 
     def _rank_arg(self, name: str, value: Any) -> int:

@@ -281,6 +281,8 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
         # A named operation not yet agreed on: one loop iteration first, in which sibling
         # tasks submit theirs, so that one agreement round takes them all (Names.ready).
         yield
+        if fut._state >= DONE:  # a sibling task's polls finished it meanwhile
+            return
     if engine.spin_lone(fut):
         return
     engine.drivers += 1
@@ -288,7 +290,8 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
     try:
         if engine.spin_ok():
             for _ in range(policy.spin_polls):
-                if poll() and fut._state >= DONE:
+                poll()
+                if fut._state >= DONE:  # (by this poll, or by the background thread's)
                     return
         t0 = _clock()
         mark = engine._n_polls  # the poll count after this coroutine's last poll (its own)

@@ -45,9 +45,12 @@ micro-batch the other has finished); waiting for their own arrivals alone is not
 this member lacks may itself wait here for one of the names it has left (a dependency that
 only the members of a sub-communicator have), so it posts again after the back-off.
 
-A signature (operation, dtype, shape, root, reduce op, backend) travels with each name: the
-same name with another signature on another member fails with DesyncError on every member
-that holds it, naming both. A name that some members never submit fails, after the runtime's
+What a round places goes to the engine in the agreed order, small host allreduces fused
+(`mcrdl.engine._fusion`: one allreduce for many, Horovod's tensor fusion).
+
+A signature (operation, dtype, shape, root, reduce op, backend, and whether the buffers are
+in device memory) travels with each name: the same name with another signature on another
+member fails with DesyncError on every member that holds it, naming both. A name that some members never submit fails, after the runtime's
 timeout, with DesyncError naming the members that did not have it at the last round. Both
 break the communicator (rule 7): the members no longer agree on what runs next.
 """
@@ -64,6 +67,7 @@ import numpy as np
 from .._buffers import new_buffer
 from .._errors import DesyncError
 from .._types import DType
+from ._fusion import fuse
 from ._future import CommFuture
 from ._states import DONE
 
@@ -303,6 +307,8 @@ class Names:
                 placed.append(self.fresh.pop(key))
         for f in placed:
             del self.held[f]
+        if len(placed) > 1:
+            fuse(placed)
         engine = self.engine
         engine.place(placed)
         self.last_time = now = engine._clock()

@@ -189,3 +189,77 @@ def test_a_name_a_member_never_submits_fails_naming_it(comm):
     finally:
         engine.timeout = saved
     np.testing.assert_equal(comm.allreduce(torch.ones(1)).wait().item(), comm.size)
+
+
+def test_small_named_allreduces_are_fused_and_each_gets_its_own_result(comm, monkeypatch):
+    """Agreed in one round, small host allreduces of one lane, dtype and reduce op run as one
+    allreduce per ``FUSION_BYTES`` (made small here, so that groups split); each member still
+    gets its own sum, maximum or mean, whatever order its rank submitted it in, torch or
+    numpy, whichever dtype."""
+    from mcrdl.backends.gloo import GlooBackend
+    from mcrdl.backends.mpi import MPIBackend
+    from mcrdl.engine import _fusion
+
+    monkeypatch.setattr(_fusion, "FUSION_BYTES", 96)
+    starts = []
+    for cls in (MPIBackend, GlooBackend):
+        real = cls.start_allreduce
+
+        def counted(self, group, buf, op, real=real):
+            starts.append(buf.nbytes)
+            return real(self, group, buf, op)
+
+        monkeypatch.setattr(cls, "start_allreduce", counted)
+    n, r = comm.size, comm.rank
+    ranks = sum(range(1, n + 1))
+    cases = []  # (buffer, name, op, backend, expected)
+    for i in range(12):
+        cases.append((torch.full((i % 4 + 1,), float(r + 1 + i)), f"f{i}", mcrdl.ReduceOp.SUM,
+                      "mpi", float(ranks + n * i)))
+    for i in range(6):
+        cases.append((np.full(3, r + 1 + i, dtype=np.int64), f"i{i}", mcrdl.ReduceOp.MAX,
+                      "mpi", n + i))
+    for i in range(6):
+        cases.append((torch.full((2,), float(2 * (r + 1)), dtype=torch.bfloat16), f"b{i}",
+                      mcrdl.ReduceOp.AVG, "gloo", float(ranks * 2 / n)))
+    cases.append((torch.full((_fusion.FUSE_OP_BYTES // 4 + 1,), 1.0), "big", mcrdl.ReduceOp.SUM,
+                  "mpi", float(n)))  # above the member size: runs alone
+    order = list(range(len(cases)))
+    random.Random(r).shuffle(order)
+    futs = [comm.allreduce(cases[i][0], cases[i][2], backend=cases[i][3], name=cases[i][1])
+            for i in order]
+    for f in futs:
+        f.wait()
+    for buf, name, _op, _backend, expected in cases:
+        got = buf.tolist() if isinstance(buf, np.ndarray) else buf.float().tolist()
+        assert got == [expected] * len(got), (name, got, expected)
+    # One round agreed them all (each member had submitted everything before its first wait):
+    # float32 in groups of at most 96 bytes, int64 likewise, bfloat16 in one group; "big" alone.
+    assert len(starts) < len(cases) // 2, starts
+    assert max(starts) == _fusion.FUSE_OP_BYTES + 4 and sorted(starts)[-2] <= 96, starts
+
+
+def test_a_task_whose_named_operation_finished_meanwhile_does_not_poll(comm):
+    """Tasks each awaiting a named allreduce that the main flow drove to the end while they
+    waited for their first loop iteration return at once, with no poll (they did 64 each)."""
+    engine = comm.runtime.engine
+    xs = [torch.ones(1) for _ in range(16)]
+    started = []
+
+    async def one(i):
+        fut = comm.allreduce(xs[i], name=f"meanwhile{i}")
+        started.append(fut)
+        await fut
+
+    async def main():
+        tasks = [asyncio.create_task(one(i)) for i in range(len(xs))]
+        await asyncio.sleep(0)  # every task submits, then gives the loop its iteration
+        assert len(started) == len(xs)
+        for fut in started:
+            fut.wait()
+        polls = engine._n_polls
+        await asyncio.gather(*tasks)
+        return engine._n_polls - polls
+
+    assert asyncio.run(main()) < len(xs)
+    assert all(x.item() == comm.size for x in xs)

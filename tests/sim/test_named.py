@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
-from mcrdl import CommBrokenError, DesyncError
+from mcrdl import CommBrokenError, DesyncError, ReduceOp
 from mcrdl.testing import FAULTS, SimMismatch, SimWorld, check_program, programs
 
 from . import examples
@@ -23,7 +23,7 @@ from .broken import NamesIgnoredEngine
 MPI_LIKE = {"mpi": "windowed", "gloo": "mpi"}
 SEMANTICS = {"mpi": "windowed", "gloo": "mpi", "nccl": "nccl", "blk": "blocking"}
 FIGURES = {"programs": 0, "named operations": 0, "blocks": 0,
-           "blocks submitted in different orders": 0}
+           "blocks submitted in different orders": 0, "fused groups": 0}
 
 
 def _count(program):
@@ -34,14 +34,19 @@ def _count(program):
         len({orders[b] for orders in program.orders}) > 1 for b in range(len(program.blocks)))
 
 
-#: The properties' worlds: backends (name -> semantics), the faults to draw, and the response
-#: cache's size (None: as built).
+#: The properties' worlds: backends (name -> semantics), what else the programs draw (faults,
+#: the kinds and reduce ops of their steps), and the response cache's size (None: as built).
+FUSING = {"kinds": ("allreduce",) * 4 + ("broadcast", "alltoall"),
+          "ops": (ReduceOp.SUM, ReduceOp.AVG)}
 CASES = {
     "mpi-like": (MPI_LIKE, {}, None),
     "every semantics": (SEMANTICS, {}, None),
     "faults": (MPI_LIKE, {"min_faults": 1, "max_faults": 2, "faults": FAULTS}, None),
     # two slots: names evicted and published again in most rounds
     "small cache": (MPI_LIKE, {}, 2),
+    # mostly allreduces of one reduce op: blocks whose members are fused (engine._fusion),
+    # and faults among them
+    "fusion": (MPI_LIKE, {**FUSING, "max_faults": 1, "faults": FAULTS}, None),
 }
 
 
@@ -52,14 +57,23 @@ CASES = {
 def test_named_blocks_in_per_rank_orders_match_the_reference(case, monkeypatch, data, seed):
     """Every rank's result equals the sequential reference; with faults, every element a
     correct runtime must have right, and nothing hangs."""
-    from mcrdl.engine import _names
+    from mcrdl.engine import _fusion, _names
 
     backends, faults, slots = CASES[case]
     if slots is not None:
         monkeypatch.setattr(_names, "CACHE_SLOTS", slots)
+    fused = []
+    real = _fusion._Fused.__init__
+
+    def counted(self, futs):
+        fused.append(len(futs))
+        real(self, futs)
+
+    monkeypatch.setattr(_fusion._Fused, "__init__", counted)
     program = data.draw(programs(backends=tuple(backends), named=True, **faults))
     check_program(program, seed=seed, backends=backends)
     _count(program)
+    FIGURES["fused groups"] += len(fused)
 
 
 def test_the_harness_permuted_named_blocks():
@@ -67,6 +81,7 @@ def test_the_harness_permuted_named_blocks():
     print(f"named harness: {FIGURES}")
     if FIGURES["programs"]:
         assert FIGURES["blocks submitted in different orders"] > FIGURES["programs"] // 4
+        assert FIGURES["fused groups"] > FIGURES["programs"] // 20
 
 
 def test_issuing_named_operations_in_submission_order_is_caught():

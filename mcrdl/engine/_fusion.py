@@ -1,0 +1,137 @@
+"""Fusion: small named allreduces agreed in one round run as one allreduce (Horovod's idea).
+
+An agreement round (`mcrdl.engine._names`) hands the engine a batch of named operations in an
+order every member computed alike. Among them, allreduces of host memory with the same lane,
+dtype and reduce op, each of at most ``FUSE_OP_BYTES``, are *fused*, up to ``FUSION_BYTES``
+a group: the group's first operation (its *carrier*) copies every member's bytes into one
+buffer when it is issued, allreduces that buffer, and copies each member's share back in its
+finishing step; the others wait for the carrier (a dependency, as ``after=`` makes one) and
+then finish at once, with nothing to run. Each keeps its place in the lane (rule 7 counts
+positions), its hazards and its own finishing step (an emulated AVG's division).
+
+Why: a step of 64 allreduces of 4 B costs 64 times the per-operation price of the engine
+and the backend, and the fused one costs that price once plus the copies; from a few
+hundred KiB up, the copies cost more than the operations they save (docs/performance.md,
+"Fusion").
+
+Every member must fuse alike, or their backends would see different collectives: the choice
+reads only what the signature fixes on every member (operation, dtype, shape, reduce op,
+backend, host or device memory: `Communicator._signature`) and the agreed order.
+"""
+
+from __future__ import annotations
+
+from ctypes import memmove
+from typing import TYPE_CHECKING, Any
+
+from .._buffers import Buffer, new_buffer
+from ._states import PENDING
+
+if TYPE_CHECKING:
+    from ._future import CommFuture
+
+__all__ = ["FUSE_OP_BYTES", "FUSION_BYTES", "fuse"]
+
+#: The largest named allreduce fused with others (bytes).
+FUSE_OP_BYTES = 32 << 10
+#: The most bytes one fused allreduce carries.
+FUSION_BYTES = 1 << 20
+
+
+def fuse(futs: list[CommFuture]) -> None:
+    """Fuse the small host allreduces among ``futs`` (agreed on, in the agreed order, not
+    placed yet), group by group; the others are left as they are."""
+    groups: dict[tuple[Any, ...], list[CommFuture]] = {}
+    for fut in futs:
+        if fut.kind == "allreduce" and fut.device is None:
+            _, buf, op = fut.args  # type: ignore[misc]  # (group, buf, op) until issued
+            if 0 < buf.nbytes <= FUSE_OP_BYTES:
+                groups.setdefault((fut.lane, buf.dtype, op), []).append(fut)
+    for group in groups.values():
+        batch: list[CommFuture] = []
+        total = 0
+        for fut in group:
+            if total + fut.nbytes > FUSION_BYTES:
+                if len(batch) > 1:
+                    _Fused(batch)
+                batch, total = [], 0
+            batch.append(fut)
+            total += fut.nbytes
+        if len(batch) > 1:
+            _Fused(batch)
+
+
+def _nothing() -> None:
+    """A fused member's start: its carrier did its work (None: finished at once)."""
+    return None
+
+
+#: Spare fusion buffers of ``FUSION_BYTES``, by (torch or numpy, dtype): a fresh one costs
+#: a page fault per 4 KiB at its first use, more than the copies at 64 KiB a member.
+_SPARES: dict[tuple[bool, Any], list[Any]] = {}
+_MAX_SPARES = 2
+
+
+class _Fused:
+    """One fused allreduce: the carrier's start and finishing step, and what they copy."""
+
+    __slots__ = ("carrier", "members", "proto", "numel", "whole", "addr", "start_op", "group", "op",
+                 "finish_op")
+
+    def __init__(self, futs: list[CommFuture]) -> None:
+        carrier = futs[0]
+        group, buf, op = carrier.args  # type: ignore[misc]
+        self.carrier = carrier
+        self.members: list[tuple[CommFuture, Buffer]] = [(f, f.args[1]) for f in futs]  # type: ignore[index]
+        self.proto = buf
+        self.numel = sum(b.nbytes for _, b in self.members) // _itemsize(buf)
+        self.whole: Any = None
+        self.addr = 0
+        self.start_op, self.group, self.op = carrier.start, group, op
+        self.finish_op = carrier.finish
+        carrier.start, carrier.args, carrier.finish = self.start, (), self.finish
+        rest = futs[1:]
+        for fut in rest:
+            fut.start, fut.args = _nothing, ()
+            fut._deps_left += 1
+        carrier._dependants = [*(carrier._dependants or ()), *rest]
+
+    def start(self) -> Any:
+        """Copy every member's bytes into a fusion buffer, and start its allreduce. (The
+        carrier holds the buffer: if it fails, the buffer is not reused, since its backend
+        may still write it.)"""
+        proto = self.proto
+        key = (proto.is_torch, proto.obj.dtype)
+        try:
+            whole = _SPARES.get(key, []).pop()
+        except IndexError:
+            whole = proto.empty((FUSION_BYTES // _itemsize(proto),))
+        self.whole = whole
+        self.carrier.hold = (self.carrier.hold, whole)
+        obj = whole[:self.numel]
+        self.addr = at = obj.data_ptr() if proto.is_torch else obj.ctypes.data
+        for _, b in self.members:
+            memmove(at, b.addr, b.nbytes)
+            at += b.nbytes
+        return self.start_op(self.group, new_buffer(obj, proto.is_torch, proto.dtype),  # type: ignore[misc]
+                             self.op)
+
+    def finish(self, carrier: CommFuture) -> None:
+        """Copy each member's share of the result back (not into one that failed or was
+        cancelled meanwhile: its caller has its buffer back), then the carrier's own step."""
+        at = self.addr
+        for fut, b in self.members:
+            if fut is carrier or fut._state == PENDING:
+                memmove(b.addr, at, b.nbytes)
+            at += b.nbytes
+        proto = self.proto
+        spares = _SPARES.setdefault((proto.is_torch, proto.obj.dtype), [])
+        if len(spares) < _MAX_SPARES:
+            spares.append(self.whole)
+        self.whole = None
+        if self.finish_op is not None:
+            self.finish_op(carrier)
+
+
+def _itemsize(buf: Buffer) -> int:
+    return buf.nbytes // int(buf.obj.numel() if buf.is_torch else buf.obj.size)
