@@ -5,14 +5,16 @@ order every member computed alike. Among them, allreduces of host memory with th
 dtype and reduce op, each of at most ``FUSE_OP_BYTES``, are *fused*, up to ``FUSION_BYTES``
 a group: the group's first operation (its *carrier*) copies every member's bytes into one
 buffer when it is issued, allreduces that buffer, and copies each member's share back in its
-finishing step; the others wait for the carrier (a dependency, as ``after=`` makes one) and
-then finish at once, with nothing to run. Each keeps its place in the lane (rule 7 counts
-positions), its hazards and its own finishing step (an emulated AVG's division).
+finishing step. The others are issued with the carrier and end with it, done or failed as
+it is (`Engine._carry`, `Engine._end_carried`): their peers ran them as this rank did, so a
+failure of the carrier in flight fails them without breaking the communicator, as it fails
+an operation that ran alone. Each keeps its place in the lane (rule 7 counts positions), its
+hazards and its own finishing step (an emulated AVG's division).
 
 Why: a step of 64 allreduces of 4 B costs 64 times the per-operation price of the engine
-and the backend, and the fused one costs that price once plus the copies; from a few
-hundred KiB up, the copies cost more than the operations they save (docs/performance.md,
-"Fusion").
+and the backend, and the fused one costs that price once plus the copies; from 64 KiB a
+member on, the copies cost as much as the operations they save (docs/performance.md,
+"Fusion of small named allreduces").
 
 Every member must fuse alike, or their backends would see different collectives: the choice
 reads only what the signature fixes on every member (operation, dtype, shape, reduce op,
@@ -21,16 +23,17 @@ backend, host or device memory: `Communicator._signature`) and the agreed order.
 
 from __future__ import annotations
 
+import weakref
 from ctypes import memmove
 from typing import TYPE_CHECKING, Any
 
 from .._buffers import Buffer, new_buffer
-from ._states import PENDING
+from ._states import ISSUED
 
 if TYPE_CHECKING:
     from ._future import CommFuture
 
-__all__ = ["FUSE_OP_BYTES", "FUSION_BYTES", "fuse"]
+__all__ = ["FUSE_OP_BYTES", "FUSION_BYTES", "carried", "fuse"]
 
 #: The largest named allreduce fused with others (bytes).
 FUSE_OP_BYTES = 32 << 10
@@ -61,13 +64,24 @@ def fuse(futs: list[CommFuture]) -> None:
             _Fused(batch)
 
 
-def _nothing() -> None:
-    """A fused member's start: its carrier did its work (None: finished at once)."""
-    return None
+def carried(obj: Any) -> list[Any]:
+    """The caller's objects whose bytes ``obj``, a fusion buffer as a backend was given it,
+    carries ([] for any other object): a simulated world fires a fault injected on a
+    member's buffer on its carrier (`mcrdl.testing`)."""
+    return _CARRIED.get(id(obj), [])
 
 
-#: Spare fusion buffers of ``FUSION_BYTES``, by (torch or numpy, dtype): a fresh one costs
-#: a page fault per 4 KiB at its first use, more than the copies at 64 KiB a member.
+#: id(fusion buffer given to a backend) -> the members' objects, while that buffer lives.
+_CARRIED: dict[int, list[Any]] = {}
+
+
+def _never() -> None:
+    raise RuntimeError("a fused operation is issued by its carrier, never on its own")
+
+
+#: Spare fusion buffers of ``FUSION_BYTES`` (as it was when they were made), by (torch or
+#: numpy, dtype): a fresh one costs a page fault per 4 KiB at its first use, more than the
+#: copies at 64 KiB a member.
 _SPARES: dict[tuple[bool, Any], list[Any]] = {}
 _MAX_SPARES = 2
 
@@ -75,8 +89,8 @@ _MAX_SPARES = 2
 class _Fused:
     """One fused allreduce: the carrier's start and finishing step, and what they copy."""
 
-    __slots__ = ("carrier", "members", "proto", "numel", "whole", "addr", "start_op", "group", "op",
-                 "finish_op")
+    __slots__ = ("carrier", "members", "proto", "numel", "whole", "addr", "start_op", "group",
+                 "op", "finish_op")
 
     def __init__(self, futs: list[CommFuture]) -> None:
         carrier = futs[0]
@@ -90,25 +104,28 @@ class _Fused:
         self.start_op, self.group, self.op = carrier.start, group, op
         self.finish_op = carrier.finish
         carrier.start, carrier.args, carrier.finish = self.start, (), self.finish
-        rest = futs[1:]
-        for fut in rest:
-            fut.start, fut.args = _nothing, ()
-            fut._deps_left += 1
-        carrier._dependants = [*(carrier._dependants or ()), *rest]
+        carrier.carried = futs[1:]  # (issued with it, ended with it: Engine._carry)
+        for fut in futs[1:]:
+            fut.carrier = carrier
+            fut.start, fut.args = _never, ()
 
     def start(self) -> Any:
         """Copy every member's bytes into a fusion buffer, and start its allreduce. (The
         carrier holds the buffer: if it fails, the buffer is not reused, since its backend
         may still write it.)"""
         proto = self.proto
-        key = (proto.is_torch, proto.obj.dtype)
+        whole = None
         try:
-            whole = _SPARES.get(key, []).pop()
+            whole = _SPARES.get((proto.is_torch, proto.obj.dtype), []).pop()
         except IndexError:
-            whole = proto.empty((FUSION_BYTES // _itemsize(proto),))
+            pass
+        if whole is None or len(whole) < self.numel:  # (FUSION_BYTES was raised since)
+            whole = proto.empty((max(FUSION_BYTES // _itemsize(proto), self.numel),))
         self.whole = whole
         self.carrier.hold = (self.carrier.hold, whole)
         obj = whole[:self.numel]
+        _CARRIED[id(obj)] = [b.obj for _, b in self.members]
+        weakref.finalize(obj, _CARRIED.pop, id(obj), None)
         self.addr = at = obj.data_ptr() if proto.is_torch else obj.ctypes.data
         for _, b in self.members:
             memmove(at, b.addr, b.nbytes)
@@ -117,11 +134,10 @@ class _Fused:
                              self.op)
 
     def finish(self, carrier: CommFuture) -> None:
-        """Copy each member's share of the result back (not into one that failed or was
-        cancelled meanwhile: its caller has its buffer back), then the carrier's own step."""
+        """Copy each member's share of the result back, then run the carrier's own step."""
         at = self.addr
         for fut, b in self.members:
-            if fut is carrier or fut._state == PENDING:
+            if fut is carrier or fut._state == ISSUED:  # (in flight with it: Engine._carry)
                 memmove(b.addr, at, b.nbytes)
             at += b.nbytes
         proto = self.proto

@@ -80,6 +80,9 @@ class CommFuture:
       on them; on a host lane it is issued once the engine has seen them reached.
     - ``event`` is set when it is issued on a stream lane: reached on that stream once the
       operation has run (what dependants on the device and ``wait_stream`` wait on).
+    - ``carried`` lists the operations fused into this one (`mcrdl.engine._fusion`), each
+      with ``carrier`` set to it: they are issued with it (no request of their own, in no
+      track) and end when it ends, with its outcome.
     """
 
     __slots__ = (
@@ -114,6 +117,8 @@ class CommFuture:
         "t_done",
         "waits",
         "event",
+        "carried",
+        "carrier",
     )
 
     # Set when they come to exist: by submit, at issue, at the end.
@@ -154,6 +159,8 @@ class CommFuture:
         self.device: Any = None
         self.waits: list[Any] | None = None
         self.event: Any = None
+        self.carried: list[CommFuture] | None = None
+        self.carrier: CommFuture | None = None
         self._state = PENDING
         self._result = result
         # () until the first callback arrives (no list per operation), None once terminal.

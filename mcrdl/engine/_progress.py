@@ -656,11 +656,35 @@ class Engine:
             fut.event = fut.lane.device.record(stream)
         if fut.stream is None:
             fut.lane.issued += 1
+        if fut.carried is not None:
+            self._carry(fut, now)
         if req is None:  # finished during the start call
             self._work.append((fut, None))
             return
         fut._request = req
         fut.lane.track.add(fut, req)
+
+    def _carry(self, carrier: CommFuture, now: float) -> None:
+        """``carrier`` was issued with the operations fused into it (`mcrdl.engine._fusion`):
+        they are in flight from now on, in its lane's window, until it ends
+        (`_end_carried`); `_pump` passes over them."""
+        for fut in carrier.carried:  # type: ignore[union-attr]
+            if fut._state == PENDING:
+                fut.start = fut.args = None
+                fut.t_issue = now
+                fut._state = ISSUED
+                fut.lane.issued += 1
+
+    def _end_carried(self, carrier: CommFuture, error: BaseException | None) -> None:
+        """``carrier`` ended: the operations it carried end with it (their bytes are back,
+        or they fail, as issued: their peers ran them as this rank did)."""
+        carried, carrier.carried = carrier.carried, None
+        for fut in carried:  # type: ignore[union-attr]
+            if fut._state == ISSUED:
+                self._work.append((fut, None if error is None else DependencyFailedError(
+                    f"{fut.kind}#{fut.seq} on {fut.lane.backend_name} ran fused into "
+                    f"{carrier.kind}#{carrier.seq}, which {STATE_NAMES[carrier._state].lower()}: "
+                    f"{error}")))
 
     def _pump(self, lane: Lane) -> None:
         """Issue the lane's head operations, in order, while their dependencies are met."""
@@ -836,6 +860,8 @@ class Engine:
             self._pump(lane)
         if fut._dependants:
             self._release(fut, None)
+        if fut.carried is not None:
+            self._end_carried(fut, error)
 
     def _log(self, fut: CommFuture, lane: Lane, now: float) -> None:
         """Append ``fut``'s record to the comms log (on; lock held). Its result's dtype is
@@ -1107,7 +1133,8 @@ class Engine:
         """
         lane = fut.lane
         if (fut._state != ISSUED or not lane.spins_alone or self.idle_hook is not None
-                or lane.track.live != 1 or self._deferred or self._gated):
+                or lane.track.live != 1 or self._deferred or self._gated
+                or fut.carrier is not None):  # (in flight as part of its carrier)
             return False
         if self._unfinished != 1:  # the others are all waiting to be issued?
             for track in self._track_list:
@@ -1350,6 +1377,10 @@ class Engine:
                 return False
             if state == ISSUED:
                 backend = fut.lane.backend
+                if fut.carrier is not None:
+                    raise InvalidStateError(
+                        f"cannot cancel {fut!r}: it was issued already, fused into "
+                        f"{fut.carrier.kind}#{fut.carrier.seq}")
                 if not backend.capabilities.cancel or not backend.cancel(fut._request):
                     raise InvalidStateError(
                         f"cannot cancel {fut!r}: it was issued already and "

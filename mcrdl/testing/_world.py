@@ -29,6 +29,7 @@ from ..backends import Backend
 from ..backends._threaded import Threads
 from ..backends.sim import SimBackend, SimGroup, SimOp, reduce_stack
 from ..engine import Engine, PollPolicy, flight_record
+from ..engine._fusion import carried
 from ._device import KIND as SIM_KIND
 from ._device import SimDevice
 
@@ -436,14 +437,16 @@ class SimWorld:
         self._mirrors[id(host)] = (host, device)
 
     def fault(self, args: tuple[Any, ...]) -> str | None:
-        """The fault injected on a buffer among ``args`` (used once), if any."""
+        """The fault injected on a buffer among ``args`` (used once), if any; on a fusion
+        buffer, one injected on any buffer it carries (its members' operations run as it)."""
         for arg in args:
             if isinstance(arg, Buffer):
                 mirrored = self._mirrors.get(id(arg.obj))
                 obj = arg.obj if mirrored is None else mirrored[1]
-                entry = self._faults.pop(id(obj), None)
-                if entry is not None:
-                    return entry[0]
+                for one in (obj, *carried(obj)):
+                    entry = self._faults.pop(id(one), None)
+                    if entry is not None:
+                        return entry[0]
         return None
 
     # -- matching (called by SimBackend, from the thread holding the baton) ---------------

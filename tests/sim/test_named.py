@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
 from mcrdl import CommBrokenError, DesyncError, ReduceOp
+from mcrdl._buffers import Buffer
 from mcrdl.testing import FAULTS, SimMismatch, SimWorld, check_program, programs
 
 from . import examples
@@ -23,7 +24,8 @@ from .broken import NamesIgnoredEngine
 MPI_LIKE = {"mpi": "windowed", "gloo": "mpi"}
 SEMANTICS = {"mpi": "windowed", "gloo": "mpi", "nccl": "nccl", "blk": "blocking"}
 FIGURES = {"programs": 0, "named operations": 0, "blocks": 0,
-           "blocks submitted in different orders": 0, "fused groups": 0}
+           "blocks submitted in different orders": 0, "fused groups": 0,
+           "faults fired on fused groups": 0}
 
 
 def _count(program):
@@ -34,19 +36,44 @@ def _count(program):
         len({orders[b] for orders in program.orders}) > 1 for b in range(len(program.blocks)))
 
 
+def _counting_fusions(real):
+    def init(self, futs):
+        FIGURES["fused groups"] += 1
+        real(self, futs)
+
+    return init
+
+
+def _counting_faults(real):
+    from mcrdl.engine import _fusion
+
+    def fault(world, args):
+        kind = real(world, args)
+        if kind is not None and any(type(a) is Buffer and _fusion.carried(a.obj) for a in args):
+            FIGURES["faults fired on fused groups"] += 1
+        return kind
+
+    fault.counting = True
+    return fault
+
+
 #: The properties' worlds: backends (name -> semantics), what else the programs draw (faults,
 #: the kinds and reduce ops of their steps), and the response cache's size (None: as built).
-FUSING = {"kinds": ("allreduce",) * 4 + ("broadcast", "alltoall"),
-          "ops": (ReduceOp.SUM, ReduceOp.AVG)}
+FUSING = {"kinds": ("allreduce",) * 4 + ("broadcast", "alltoall"), "dtypes": ("float64",),
+          "ops": (ReduceOp.SUM, ReduceOp.AVG), "auto": False, "slot_length": 96,
+          "max_splits": 1}
 CASES = {
     "mpi-like": (MPI_LIKE, {}, None),
     "every semantics": (SEMANTICS, {}, None),
     "faults": (MPI_LIKE, {"min_faults": 1, "max_faults": 2, "faults": FAULTS}, None),
     # two slots: names evicted and published again in most rounds
     "small cache": (MPI_LIKE, {}, 2),
-    # mostly allreduces of one reduce op: blocks whose members are fused (engine._fusion),
-    # and faults among them
-    "fusion": (MPI_LIKE, {**FUSING, "max_faults": 1, "faults": FAULTS}, None),
+    # mostly allreduces of one dtype on one backend, in longer slots (fewer overlaps, so
+    # longer blocks): blocks whose members are fused (engine._fusion), with the faults that
+    # can reach a fused operation (the others hold theirs back from the agreement, which
+    # fuses only what is ready)
+    "fusion": ({"mpi": "windowed"}, {**FUSING, "max_faults": 3, "faults": ("start", "error")},
+               None),
 }
 
 
@@ -62,18 +89,12 @@ def test_named_blocks_in_per_rank_orders_match_the_reference(case, monkeypatch, 
     backends, faults, slots = CASES[case]
     if slots is not None:
         monkeypatch.setattr(_names, "CACHE_SLOTS", slots)
-    fused = []
-    real = _fusion._Fused.__init__
-
-    def counted(self, futs):
-        fused.append(len(futs))
-        real(self, futs)
-
-    monkeypatch.setattr(_fusion._Fused, "__init__", counted)
+    if not hasattr(SimWorld.fault, "counting"):  # (once per case: examples share patches)
+        monkeypatch.setattr(_fusion._Fused, "__init__", _counting_fusions(_fusion._Fused.__init__))
+        monkeypatch.setattr(SimWorld, "fault", _counting_faults(SimWorld.fault))
     program = data.draw(programs(backends=tuple(backends), named=True, **faults))
     check_program(program, seed=seed, backends=backends)
     _count(program)
-    FIGURES["fused groups"] += len(fused)
 
 
 def test_the_harness_permuted_named_blocks():
@@ -82,6 +103,7 @@ def test_the_harness_permuted_named_blocks():
     if FIGURES["programs"]:
         assert FIGURES["blocks submitted in different orders"] > FIGURES["programs"] // 4
         assert FIGURES["fused groups"] > FIGURES["programs"] // 20
+        assert FIGURES["faults fired on fused groups"] > 0
 
 
 def test_issuing_named_operations_in_submission_order_is_caught():
@@ -291,3 +313,49 @@ def test_an_operation_ready_under_an_evicted_name_is_offered_by_name_again(monke
     out = SimWorld(2, MPI_LIKE, seed=1, timeout=2.0).run(program)
     assert [o[:3] for o in out] == [(2.0, 20.0, 10.0)] * 2
     assert all(o[3] == [("b", o[3][0][1])] for o in out), out
+
+
+# -- fusion (engine._fusion) -------------------------------------------------------------
+
+def _fused_fault(kind):
+    """Three named allreduces that the agreement fuses; rank 0's second one fails as
+    ``kind`` says (the fault fires on the fused allreduce that carries it). Each rank's
+    outcomes, sums, and what a later allreduce of the communicator does."""
+    world = SimWorld(2, MPI_LIKE, seed=1, timeout=5)
+
+    def program(comm):
+        arrays = [np.full(2, float(i + 1)) for i in range(3)]
+        if comm.rank == 0:
+            world.inject(kind, [arrays[1]])
+        futs = [comm.allreduce(a, name=f"n{i}", backend="mpi") for i, a in enumerate(arrays)]
+        outcomes = []
+        for fut in futs:
+            try:
+                fut.wait()
+                outcomes.append("done")
+            except Exception as exc:  # noqa: BLE001 - what each ended with is the result
+                outcomes.append(type(exc).__name__)
+        try:
+            later = comm.allreduce(np.ones(1), backend="mpi").wait()[0]
+        except Exception as exc:  # noqa: BLE001
+            later = type(exc).__name__
+        return outcomes, [a[0] for a in arrays], later
+
+    return world.run(program)
+
+
+def test_a_member_failing_in_flight_fails_its_fused_group_there_and_the_rest_goes_on():
+    """As with operations run one by one: a backend's failure on one rank fails what ran
+    there (the whole fused allreduce), every peer gets its sums, and the communicator goes
+    on (the operations ran on every member in step)."""
+    (mine, _, later0), (theirs, sums, later1) = _fused_fault("error")
+    assert mine == ["BackendError", "DependencyFailedError", "DependencyFailedError"]
+    assert theirs == ["done"] * 3 and sums == [2.0, 4.0, 6.0]
+    assert later0 == later1 == 2.0
+
+
+def test_a_member_failing_to_start_breaks_the_communicator_on_every_member():
+    (mine, _, later0), (theirs, _, later1) = _fused_fault("start")
+    assert mine == ["StartError", "CommBrokenError", "CommBrokenError"]
+    assert "done" not in theirs
+    assert later0 == later1 == "CommBrokenError"
