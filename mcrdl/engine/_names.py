@@ -57,6 +57,7 @@ break the communicator (rule 7): the members no longer agree on what runs next.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
 from functools import reduce
 from operator import and_
@@ -82,6 +83,8 @@ _AREA_CAP = 1 << 16
 #: int64 words of a round's row before the slot bits: the round's number, the bytes this
 #: member has left to publish, the bytes of this round's name area.
 _HEAD = 3
+_HEAD_WORDS = struct.Struct("<3q")
+_WORD = (1 << 64) - 1
 #: The longest name (UTF-8 bytes).
 MAX_NAME_BYTES = 1024
 #: Keys the response cache holds (a round's row carries a bit per slot: 64 words at most).
@@ -99,6 +102,14 @@ def _bits(mask: int) -> Iterator[int]:
         low = mask & -mask
         mask ^= low
         yield low.bit_length() - 1
+
+
+def _mask(words: list[int]) -> int:
+    """The slot bits of a row's mask words (int64s, as `Names._post` wrote them)."""
+    mask = 0
+    for i, word in enumerate(words):
+        mask |= (word & _WORD) << (64 * i)
+    return mask
 
 
 def _entry(key: tuple[str, str]) -> bytes:
@@ -245,23 +256,19 @@ class Names:
         self.later = None
         words = max(1, (len(self.keys) + 63) // 64)
         area = self.area
-        row = np.zeros((1, _HEAD + words + area // 8), dtype=np.int64)
-        raw = row.view(np.uint8)
-        at = (_HEAD + words) * 8
-        end = at + area
+        names = bytearray()
         left = 0
         for key in self.unpublished:
             blob = _entry(key)
-            if at + len(blob) <= end:
-                raw[0, at:at + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
-                at += len(blob)
+            if len(names) + len(blob) <= area:
+                names += blob
             else:
                 left += len(blob)
-        row[0, 0] = self.rounds
-        row[0, 1] = left
-        row[0, 2] = area
-        row[0, _HEAD:_HEAD + words] = np.frombuffer(self.mask.to_bytes(words * 8, "little"),
-                                                    dtype=np.int64)
+        data = bytearray(_HEAD_WORDS.pack(self.rounds, left, area))
+        data += self.mask.to_bytes(words * 8, "little")
+        data += names
+        data += bytes(area - len(names))
+        row = np.frombuffer(data, dtype=np.int64).reshape(1, -1)
         table = np.empty((self.size, row.shape[1]), dtype=np.int64)
         lane = self.lane
         fut = CommFuture(
@@ -278,13 +285,13 @@ class Names:
         if self.comm.broken is not None:
             return
         table: np.ndarray = fut._result
+        rows = table.tolist()  # (one call; Python ints from here on)
         size, me = self.size, self.rank
         words = max(1, (len(self.keys) + 63) // 64)
-        masks = [int.from_bytes(table[r, _HEAD:_HEAD + words].tobytes(), "little")
-                 for r in range(size)]
+        masks = [_mask(row[_HEAD:_HEAD + words]) for row in rows]
         everywhere = reduce(and_, masks)
         published = self.published
-        area = int(table[0, 2])
+        area = rows[0][2]
         if area:
             for r in range(size):
                 for key in self._parse(table[r], words, area):
@@ -316,7 +323,7 @@ class Names:
         lacking = self._check_signatures(masks, everywhere)  # (with the slots as posted)
         self.evicted = [self._cache(key) for key in agreed]
         self._forget()
-        self.area = min(_AREA_CAP, (int(table[:, 1].max()) + 7) // 8 * 8)
+        self.area = min(_AREA_CAP, (max(row[1] for row in rows) + 7) // 8 * 8)
         left = self.mask or self.fresh
         if placed:
             self.backoff = _BACKOFF_MIN
@@ -376,9 +383,9 @@ class Names:
             if r != me:
                 theirs |= m
         theirs &= ~everywhere
-        others = [k for r, p in enumerate(self.published) if r != me for k in p]
-        if not theirs and not others:
+        if not theirs and not any(self.published):  # (the steady state: nothing to check)
             return False
+        others = [k for r, p in enumerate(self.published) if r != me for k in p]
         lacking = bool(theirs & ~self.mask)
         others.extend(self.keys[slot] for slot in _bits(theirs))
         for key in others:
