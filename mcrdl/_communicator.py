@@ -280,8 +280,8 @@ class Communicator:
         """A named collective's signature: what its members must agree on, as text; kept
         per (operation, backend, arguments' dtypes and shapes), since a training step names
         the same shapes every iteration and the text costs a few µs to make."""
-        key = (kind, backend, *((a.dtype, a.obj.shape, a.device == "cpu")
-                                if isinstance(a, Buffer) else a for a in args[1:]))
+        key = (kind, backend, *[(a.dtype, a.obj.shape, a.device == "cpu")
+                                if type(a) is Buffer else a for a in args[1:]])
         sig = self._sigs.get(key)
         if sig is None:
             if len(self._sigs) >= 4096:  # (alltoallv's counts vary: never grow unbounded)
