@@ -202,9 +202,8 @@ def flight_record(engine: Any, now: float | None = None) -> str:
     if now is None:
         now = engine._clock()
     unfinished: dict[Lane, list[Any]] = {}
-    for track in engine._track_list:
-        for f, _ in track.items():
-            unfinished.setdefault(f.lane, []).append(f)
+    for f in engine._in_flight():
+        unfinished.setdefault(f.lane, []).append(f)
     lines = ["mcrdl flight recorder (oldest first; times relative to now)"]
     for lane in engine._lanes.values():
         live = sorted(unfinished.get(lane, []), key=lambda f: f.t_submit)

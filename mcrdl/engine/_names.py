@@ -285,9 +285,9 @@ class Names:
         if self.comm.broken is not None:
             return
         table: np.ndarray = fut._result
-        rows = table.tolist()  # (one call; Python ints from here on)
         size, me = self.size, self.rank
         words = max(1, (len(self.keys) + 63) // 64)
+        rows = table[:, :_HEAD + words].tolist()  # (one call; Python ints from here on)
         masks = [_mask(row[_HEAD:_HEAD + words]) for row in rows]
         everywhere = reduce(and_, masks)
         published = self.published

@@ -215,8 +215,9 @@ class Engine:
     - ``poll_once`` and every state change run under ``_lock``; callbacks run after it is
       released.
     - every unfinished future is in exactly one place: its lane's ``pending`` (PENDING; a
-      routed one in each of its candidate lanes' until it is routed) or its backend's
-      ``Track`` (ISSUED); ``_unfinished`` counts them.
+      routed one in each of its candidate lanes' until it is routed), its backend's
+      ``Track`` (ISSUED), or the ``carried`` list of a future in a Track (ISSUED, fused
+      into it: `_carry`); ``_unfinished`` counts them.
     - dependency edges point from a future to futures submitted before it (rule 3 of DESIGN.md),
       so the wait-for graph of a rank is acyclic.
     - the hazard index holds the ranges of every unfinished operation and every zombie except
@@ -677,14 +678,33 @@ class Engine:
 
     def _end_carried(self, carrier: CommFuture, error: BaseException | None) -> None:
         """``carrier`` ended: the operations it carried end with it (their bytes are back,
-        or they fail, as issued: their peers ran them as this rank did)."""
+        or they fail as it did, as issued: their peers ran them as this rank did; a break
+        it caused is broken already)."""
         carried, carrier.carried = carrier.carried, None
         for fut in carried:  # type: ignore[union-attr]
-            if fut._state == ISSUED:
-                self._work.append((fut, None if error is None else DependencyFailedError(
-                    f"{fut.kind}#{fut.seq} on {fut.lane.backend_name} ran fused into "
-                    f"{carrier.kind}#{carrier.seq}, which {STATE_NAMES[carrier._state].lower()}: "
-                    f"{error}")))
+            fut.carrier = None
+            if fut._state != ISSUED:
+                continue  # never carried (the carrier failed to start): the break fails it
+            if error is None:
+                self._work.append((fut, None))
+                continue
+            text = (f"{fut.kind}#{fut.seq} on {fut.lane.backend_name} ran fused into "
+                    f"{carrier.kind}#{carrier.seq}, which "
+                    f"{STATE_NAMES[carrier._state].lower()}: {error}")
+            try:  # the carrier's kind of error (a timeout, finalize, a backend's failure)
+                failure = type(error)(text) if isinstance(error, MCRDLError) else None
+            except Exception:  # noqa: BLE001 - an error type with another signature
+                failure = None
+            failure = failure or DependencyFailedError(text)
+            failure.__cause__ = error
+            self._work.append((fut, failure))
+
+    def _in_flight(self) -> list[CommFuture]:
+        """The issued, unfinished futures: each track's, and what their carriers carry."""
+        out = [f for t in self._track_list for f, _ in t.items()]
+        out.extend([m for f in out if f.carried is not None
+                    for m in f.carried if m._state == ISSUED])
+        return out
 
     def _pump(self, lane: Lane) -> None:
         """Issue the lane's head operations, in order, while their dependencies are met."""
@@ -1131,10 +1151,12 @@ class Engine:
         of every track costs ~0.7, which is most of a small MPI operation's wait (and half of
         a 64 KiB one's in a burst, docs/performance.md).
         """
+        carrier = fut.carrier
+        if carrier is not None:  # in flight as part of its carrier: spin on the carrier's
+            return self.spin_lone(carrier) and fut._state >= DONE
         lane = fut.lane
         if (fut._state != ISSUED or not lane.spins_alone or self.idle_hook is not None
-                or lane.track.live != 1 or self._deferred or self._gated
-                or fut.carrier is not None):  # (in flight as part of its carrier)
+                or lane.track.live != 1 or self._deferred or self._gated):
             return False
         if self._unfinished != 1:  # the others are all waiting to be issued?
             for track in self._track_list:
@@ -1303,6 +1325,8 @@ class Engine:
             expired = [f for t in self._track_list for f, _ in t.items() if f.t_issue < limit]
             if not expired and not named:
                 return
+            carried = [m for f in expired if f.carried is not None for m in f.carried
+                       if m._state == ISSUED]  # (they time out with their carriers)
             record = flight_record(self)
             dump = flight_dump(self, list(self.waiting))
             # Named operations first, so that theirs is the cause the peers hear of: fail
@@ -1321,8 +1345,8 @@ class Engine:
             self._run_work()
         self._after_lock()
         if self._on_timeout is not None:
-            self._on_timeout([f for futs in named.values() for f in futs] + expired, record,
-                             dump)
+            self._on_timeout([f for futs in named.values() for f in futs] + expired + carried,
+                             record, dump)
 
     # -- operations the engine makes, and named operations' places (lock held) ----------
 
@@ -1400,6 +1424,7 @@ class Engine:
         """Fail every unfinished future with ``make_error(fut)``; returns how many."""
         with self._lock:
             issued = [f for track in self._track_list for f, _ in track.items()]
+            carried = len(self._in_flight()) - len(issued)  # (fail with their carriers)
             for fut in issued:
                 self._give_up(fut, make_error(fut))
             pending: dict[CommFuture, None] = {}
@@ -1410,7 +1435,7 @@ class Engine:
                 self._work.append((fut, make_error(fut)))
             self._run_work()
         self._after_lock()
-        return len(issued) + len(pending)
+        return len(issued) + carried + len(pending)
 
     def zombies(self) -> list[CommFuture]:
         """The failed operations whose backend may still use their memory."""
@@ -1444,7 +1469,7 @@ class Engine:
     def stats(self) -> EngineStats:
         """A snapshot of the engine's counters."""
         with self._lock:
-            in_flight = sum(t.live for t in self._track_list)
+            in_flight = len(self._in_flight())
             finished = self._n_completed + self._n_failed + self._n_cancelled
             submitted = finished + self._unfinished
             pending = self._unfinished - in_flight
@@ -1469,7 +1494,7 @@ class Engine:
 
     def unfinished_locked(self) -> list[CommFuture]:
         """``unfinished()`` for a caller that holds the lock."""
-        out = [f for t in self._track_list for f, _ in t.items()]
+        out = self._in_flight()
         seen: dict[CommFuture, None] = {}
         for lane in self._lanes.values():
             seen.update((f, None) for f in lane.pending if f._state == PENDING)

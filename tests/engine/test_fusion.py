@@ -1,16 +1,22 @@
 """Fused named allreduces in the engine (`mcrdl.engine._fusion`): the carrier takes its
-members in flight with it, and they end with it, done or failed, in step with their peers."""
+members in flight with it, and they end with it, done or failed as it did, in step with their
+peers; the engine's views and timeouts count them as in flight."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from mcrdl import BackendError, CommBrokenError, DependencyFailedError, InvalidStateError
+from mcrdl import (
+    BackendError,
+    CommBrokenError,
+    CommTimeoutError,
+    InvalidStateError,
+    RuntimeFinalizedError,
+)
 from mcrdl._buffers import as_buffer
 from mcrdl._types import ReduceOp
-from mcrdl.engine import CommFuture
-from mcrdl.engine import _fusion
+from mcrdl.engine import CommFuture, Engine, _fusion, flight_record
 from tests.manual_backend import ManualBackend
 
 
@@ -36,10 +42,10 @@ def mpi():
     return ManualBackend(name="mpi", size=2)  # (can cancel: a member must still refuse)
 
 
-def _agreed(engine, backend, arrays, op=ReduceOp.SUM):
+def _agreed(engine, backend, arrays, op=ReduceOp.SUM, comm="world"):
     """Submit a named allreduce of each array, then fuse and place them as one round."""
     group = backend.world()
-    lane = engine.lane(backend, group, engine.comm("world", group.rank, group.size))
+    lane = engine.lane(backend, group, engine.comm(comm, group.rank, group.size))
     names = Agreement()
     futs = []
     for i, array in enumerate(arrays):
@@ -63,12 +69,14 @@ def test_a_fused_group_runs_as_one_allreduce_and_each_member_gets_its_share(engi
     fused = req.args[1].obj
     assert fused.tolist() == [1.0, 1.0, 2.0, 2.0, 2.0, 3.0]
     assert [f.state for f in futs] == ["ISSUED"] * 3  # the members are in flight with it
-    assert not engine.spin_lone(futs[1])  # (no request of its own to spin on)
+    assert engine.stats().in_flight == 3 and engine.unfinished() == futs
+    assert all(f"allreduce#{i}" in flight_record(engine) for i in (1, 2, 3))
     with pytest.raises(InvalidStateError, match=r"fused into allreduce#1"):
         futs[2].cancel()
+    assert not engine.spin_lone(futs[1])  # spins on its carrier's request: not finished
     fused *= 2  # what the peers' sum would be
     mpi.finish(req)
-    engine.poll_once()
+    assert engine.spin_lone(futs[2])  # found by a direct test of its carrier's request
     assert [f.state for f in futs] == ["DONE"] * 3
     assert [a.tolist() for a in arrays] == [[2.0, 2.0], [4.0, 4.0, 4.0], [6.0]]
     assert [f.result() is a for f, a in zip(futs, arrays)] == [True] * 3
@@ -77,20 +85,38 @@ def test_a_fused_group_runs_as_one_allreduce_and_each_member_gets_its_share(engi
 def test_a_carrier_failing_in_flight_fails_its_members_and_leaves_the_communicator(engine,
                                                                                    mpi):
     """As an operation that ran alone: the members ran on every member as here, so they fail
-    with their carrier, in step, and the communicator goes on."""
+    with their carrier, with its kind of error, in step, and the communicator goes on."""
     arrays = [np.full(2, 1.0), np.full(2, 2.0)]
     futs = _agreed(engine, mpi, arrays)
     mpi.finish(mpi.started[0], BackendError("lost a message"))
     engine.poll_once()
     assert futs[0].state == "FAILED" and isinstance(futs[0].exception(), BackendError)
     assert futs[1].state == "FAILED"
-    with pytest.raises(DependencyFailedError, match=r"fused into allreduce#1, which failed: "
-                                                    r"lost a message"):
+    with pytest.raises(BackendError, match=r"fused into allreduce#1, which failed: "
+                                           r"lost a message"):
         futs[1].result()
     assert [a.tolist() for a in arrays] == [[1.0, 1.0], [2.0, 2.0]]  # nothing copied back
     assert futs[0].lane.comm.broken is None
     later = _agreed(engine, mpi, [np.ones(1)])
     assert later[0].state == "ISSUED"
+
+
+def test_members_time_out_and_are_given_up_with_their_carrier(clock, mpi):
+    """A timeout names every operation of the group (the flight recorder's and the hook's
+    lists), each failing with CommTimeoutError; finalize's fail_all gives each its error."""
+    seen = []
+    engine = Engine(background=False, clock=clock, timeout=5.0,
+                    on_timeout=lambda expired, record, dump: seen.append((expired, record)))
+    futs = _agreed(engine, mpi, [np.ones(1), np.ones(2), np.ones(3)])
+    clock.now += 10.0
+    engine.check_deadlines(clock.now)
+    ((expired, record),) = seen
+    assert expired == futs and all(f"allreduce#{i}" in record for i in (1, 2, 3))
+    for fut in futs:
+        assert fut.state == "FAILED" and isinstance(fut.exception(), CommTimeoutError)
+    group = _agreed(engine, mpi, [np.ones(1), np.ones(1)], comm="other")  # (world broke)
+    assert engine.fail_all(lambda f: RuntimeFinalizedError("finalized")) == 2
+    assert all(isinstance(f.exception(), RuntimeFinalizedError) for f in group)
 
 
 def test_a_carrier_failing_to_start_breaks_the_communicator_and_its_members_never_run(

@@ -348,7 +348,7 @@ def test_a_member_failing_in_flight_fails_its_fused_group_there_and_the_rest_goe
     there (the whole fused allreduce), every peer gets its sums, and the communicator goes
     on (the operations ran on every member in step)."""
     (mine, _, later0), (theirs, sums, later1) = _fused_fault("error")
-    assert mine == ["BackendError", "DependencyFailedError", "DependencyFailedError"]
+    assert mine == ["BackendError"] * 3
     assert theirs == ["done"] * 3 and sums == [2.0, 4.0, 6.0]
     assert later0 == later1 == 2.0
 
