@@ -46,16 +46,12 @@ def main() -> None:
     parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
                         help="the event loop of mode tasks")
     parser.add_argument("--fusion", choices=("on", "off"), default="on",
-                        help="off: no named allreduce is fused with others (engine._fusion), "
-                             "to see what fusion contributes")
+                        help="off: init(fusion_bytes=0), no named allreduce fused with others "
+                             "(engine._fusion), to see what fusion contributes")
     args = parser.parse_args()
-    if args.fusion == "off":
-        from mcrdl.engine import _fusion
-
-        _fusion.FUSE_OP_BYTES = 0  # (the same on every rank: each parses the same arguments)
     sizes = parse_sizes(args.sizes)
     ks = [int(k) for k in args.inflight.split(",")]
-    comm = mcrdl.init()
+    comm = mcrdl.init(fusion_bytes=0 if args.fusion == "off" else None)
     backend = args.backend
     if args.loop == "uvloop":
         import uvloop

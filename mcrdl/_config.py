@@ -12,6 +12,7 @@
 | ``MCRDL_FLIGHT_RECORDER`` | ``flight_recorder`` | where a timeout dumps the flight recorder: ``stderr`` or a path |
 | ``MCRDL_LOG`` | ``log`` | ``1``: record every operation; a summary at ``finalize()`` (``comm.log_summary()``) |
 | ``MCRDL_TRACE`` | ``trace`` | write a timeline of every rank's operations here at ``finalize()`` (trace-event JSON) |
+| ``MCRDL_FUSION_BYTES`` | ``fusion_bytes`` | the most bytes one fused allreduce of small named ones carries; ``0``: no fusion (the same on every rank) |
 | ``MCRDL_HOST`` | ``host`` | this host's interface name or own address, to bind and advertise (default: loopback where all ranks share a network, else the interface that reaches rank 0) |
 """
 
@@ -21,10 +22,12 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Config", "DEFAULT_TIMEOUT"]
+__all__ = ["Config", "DEFAULT_FUSION_BYTES", "DEFAULT_TIMEOUT"]
 
 #: Seconds an issued operation may take before it fails with CommTimeoutError.
 DEFAULT_TIMEOUT = 300.0
+#: Bytes one fused allreduce carries at most (`mcrdl.engine._fusion`; docs/performance.md).
+DEFAULT_FUSION_BYTES = 1 << 20
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -54,6 +57,17 @@ def _seconds(name: str, value: str | float | None) -> float | None:
     return None if value == 0 else float(value)
 
 
+def _bytes(name: str, value: str | int) -> int:
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ValueError(f"{name}={value!r} is not a number of bytes") from None
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{name}={value!r} must be a non-negative number of bytes (0: off)")
+    return value
+
+
 @dataclass(frozen=True)
 class Config:
     """Settings of one runtime (see the module docstring for where each comes from)."""
@@ -67,6 +81,7 @@ class Config:
     host: str | None = None
     log: bool = False
     trace: str | None = None
+    fusion_bytes: int = DEFAULT_FUSION_BYTES
 
     @classmethod
     def load(
@@ -81,6 +96,7 @@ class Config:
         host: str | None = None,
         log: bool | None = None,
         trace: str | None = None,
+        fusion_bytes: int | None = None,
         environ: Mapping[str, str] | None = None,
     ) -> Config:
         """Merge ``init()`` arguments (None: not given) over ``environ`` (default os.environ)."""
@@ -109,4 +125,7 @@ class Config:
             host=host or env.get("MCRDL_HOST") or None,
             log=bool(log) if log is not None else _flag("MCRDL_LOG", env.get("MCRDL_LOG", "0")),
             trace=trace or env.get("MCRDL_TRACE") or None,
+            fusion_bytes=(_bytes("fusion_bytes", fusion_bytes) if fusion_bytes is not None
+                          else _bytes("MCRDL_FUSION_BYTES", env.get(
+                              "MCRDL_FUSION_BYTES", str(DEFAULT_FUSION_BYTES)))),
         )

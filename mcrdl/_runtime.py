@@ -235,7 +235,8 @@ class Runtime:
             group = named_groups[bname]
             named[bname] = Slot(backend, group,
                                 engine.lane(backend, group, state, "#named", named=True))
-        state.names = Names(engine, state, named[self.control_backend].lane)
+        state.names = Names(engine, state, named[self.control_backend].lane,
+                            self.config.fusion_bytes)
         debug = None
         if debug_group is not None:
             backend = self._backends[self.control_backend]
@@ -247,22 +248,33 @@ class Runtime:
 
     def agree_on_tuning(self) -> None:
         """Check that every rank holds the same tuning table (the hash of its entries), or
-        that none holds one. Every rank runs it at ``init()``, with a table or without: a rank
-        that skipped it would match its first collective against the others' check.
+        that none holds one, and the same ``fusion_bytes`` (every member must fuse alike).
+        Every rank runs it at ``init()``, with a table or without: a rank that skipped it
+        would match its first collective against the others' check.
 
         Raises:
             MCRDLError: a rank could not read its table, or the ranks hold different tables
-                (or some none); on every rank, naming what each holds.
+                (or some none), or different ``fusion_bytes``; on every rank, naming what
+                each holds.
         """
-        digest = np.zeros(33, dtype=np.uint8)
+        digest = np.zeros(41, dtype=np.uint8)
         if self.tuning is not None:
             digest[0] = _TABLE
-            digest[1:] = np.frombuffer(bytes.fromhex(self.tuning.hash), dtype=np.uint8)
+            digest[1:33] = np.frombuffer(bytes.fromhex(self.tuning.hash), dtype=np.uint8)
         elif self._tuning_error is not None:
             digest[0] = _UNREADABLE
+        digest[33:] = np.frombuffer(self.config.fusion_bytes.to_bytes(8, "little"),
+                                    dtype=np.uint8)
         world = self.world
         table = world.allgather(digest, backend=self.control_backend).wait().reshape(
-            world.size, 33)
+            world.size, 41)
+        fusion = [int.from_bytes(bytes(row[33:]), "little") for row in table]
+        if len(set(fusion)) > 1:
+            raise MCRDLError(
+                "ranks do not have the same fusion_bytes: "
+                + "; ".join(f"rank {rank}: {value}" for rank, value in enumerate(fusion))
+                + "; give every rank the same (init(fusion_bytes=...) or MCRDL_FUSION_BYTES)")
+        table = table[:, :33]
         if (table == table[0]).all() and table[0, 0] != _UNREADABLE:
             return
         names = {_NONE: "none", _UNREADABLE: "unreadable"}
@@ -475,6 +487,7 @@ def init(
     host: str | None = None,
     log: bool | None = None,
     trace: str | None = None,
+    fusion_bytes: int | None = None,
     store: Any = None,
     rank: int | None = None,
     world_size: int | None = None,
@@ -500,6 +513,9 @@ def init(
             summary printed by rank 0 at ``finalize()``.
         trace: write a timeline of every rank's operations here at ``finalize()``
             (trace-event JSON for ui.perfetto.dev; rank 0 writes it).
+        fusion_bytes: the most bytes one fused allreduce carries: small named allreduces
+            agreed in one round run as one (`mcrdl.engine._fusion`); 0 turns fusion off.
+            Every rank must pass the same (init() checks).
         store, rank, world_size: bring the world up from a torch.distributed store shared by
             ``world_size`` processes (this one being ``rank``), as torch's own
             ``init_process_group(store=...)`` does, instead of from the launcher: gloo only.
@@ -517,7 +533,7 @@ def init(
             )
         config = Config.load(backends=backends, timeout=timeout, debug=debug, tuning=tuning,
                              progress_thread=progress_thread, flight_recorder=flight_recorder,
-                             host=host, log=log, trace=trace)
+                             host=host, log=log, trace=trace, fusion_bytes=fusion_bytes)
         given = None
         if store is not None or rank is not None or world_size is not None:
             if store is None or rank is None or world_size is None:

@@ -208,6 +208,18 @@ def test_a_rank_without_a_table_is_refused_everywhere(tmp_path):
     assert len(refusals) == 2, out[-4000:]
 
 
+def test_ranks_with_different_fusion_limits_are_refused_everywhere():
+    """Members that fuse differently would run different collectives: init() compares
+    ``fusion_bytes`` (rank 1 turns fusion off here) and every rank refuses."""
+    proc = run_ranks(2, ["tests/multirank/tuning_mismatch.py"], timeout=120,
+                     env={"MCRDL_FUSION_RANK1": "0"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    refusals = re.findall(r"refused rank=\d: ranks do not have the same fusion_bytes: "
+                          r"rank 0: 1048576; rank 1: 0;", out)
+    assert len(refusals) == 2, out[-4000:]
+
+
 def test_a_rank_that_cannot_read_its_table_is_refused_everywhere(tmp_path):
     base = tmp_path / "table.json"
     _synthetic_table(base)  # rank 1 looks for table.json.other, which does not exist

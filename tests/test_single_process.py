@@ -193,6 +193,14 @@ def test_config_from_environment_and_arguments():
         Config.load(environ={"MCRDL_TIMEOUT": "soon"})
     with pytest.raises(ValueError, match=r"^MCRDL_DEBUG='maybe' is not a boolean; use 1 or 0$"):
         Config.load(environ={"MCRDL_DEBUG": "maybe"})
+    assert Config.load(environ={}).fusion_bytes == 1 << 20
+    assert Config.load(environ={"MCRDL_FUSION_BYTES": "0"}).fusion_bytes == 0
+    assert Config.load(environ={"MCRDL_FUSION_BYTES": "0"}, fusion_bytes=4096).fusion_bytes == 4096
+    with pytest.raises(ValueError, match=r"^MCRDL_FUSION_BYTES='1M' is not a number of bytes$"):
+        Config.load(environ={"MCRDL_FUSION_BYTES": "1M"})
+    with pytest.raises(ValueError, match=r"^fusion_bytes=-1 must be a non-negative number of "
+                                         r"bytes \(0: off\)$"):
+        Config.load(fusion_bytes=-1)
 
 
 def test_import_initializes_nothing():

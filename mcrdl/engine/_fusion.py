@@ -2,10 +2,11 @@
 
 An agreement round (`mcrdl.engine._names`) hands the engine a batch of named operations in an
 order every member computed alike. Among them, allreduces of host memory with the same lane,
-dtype and reduce op, each of at most ``FUSE_OP_BYTES``, are *fused*, up to ``FUSION_BYTES``
-a group: the group's first operation (its *carrier*) copies every member's bytes into one
-buffer when it is issued, allreduces that buffer, and copies each member's share back in its
-finishing step. The others are issued with the carrier and end with it, done or failed as
+dtype and reduce op, each of at most ``FUSE_OP_BYTES``, are *fused*, up to the runtime's
+``fusion_bytes`` a group (``init(fusion_bytes=...)``, ``MCRDL_FUSION_BYTES``; 1 MiB): the
+group's first operation (its *carrier*) copies every member's bytes into one buffer when it
+is issued, allreduces that buffer, and copies each member's share back in its finishing
+step. The others are issued with the carrier and end with it, done or failed as
 it is (`Engine._carry`, `Engine._end_carried`): their peers ran them as this rank did, so a
 failure of the carrier in flight fails them without breaking the communicator, as it fails
 an operation that ran alone. Each keeps its place in the lane (rule 7 counts positions), its
@@ -33,17 +34,15 @@ from ._states import ISSUED
 if TYPE_CHECKING:
     from ._future import CommFuture
 
-__all__ = ["FUSE_OP_BYTES", "FUSION_BYTES", "carried", "fuse"]
+__all__ = ["FUSE_OP_BYTES", "carried", "fuse"]
 
 #: The largest named allreduce fused with others (bytes).
 FUSE_OP_BYTES = 32 << 10
-#: The most bytes one fused allreduce carries.
-FUSION_BYTES = 1 << 20
 
 
-def fuse(futs: list[CommFuture]) -> None:
+def fuse(futs: list[CommFuture], limit: int) -> None:
     """Fuse the small host allreduces among ``futs`` (agreed on, in the agreed order, not
-    placed yet), group by group; the others are left as they are."""
+    placed yet), in groups of at most ``limit`` bytes; the others are left as they are."""
     groups: dict[tuple[Any, ...], list[CommFuture]] = {}
     for fut in futs:
         if fut.kind == "allreduce" and fut.device is None:
@@ -54,14 +53,14 @@ def fuse(futs: list[CommFuture]) -> None:
         batch: list[CommFuture] = []
         total = 0
         for fut in group:
-            if total + fut.nbytes > FUSION_BYTES:
+            if total + fut.nbytes > limit:
                 if len(batch) > 1:
-                    _Fused(batch)
+                    _Fused(batch, limit)
                 batch, total = [], 0
             batch.append(fut)
             total += fut.nbytes
         if len(batch) > 1:
-            _Fused(batch)
+            _Fused(batch, limit)
 
 
 def carried(obj: Any) -> list[Any]:
@@ -79,7 +78,7 @@ def _never() -> None:
     raise RuntimeError("a fused operation is issued by its carrier, never on its own")
 
 
-#: Spare fusion buffers of ``FUSION_BYTES`` (as it was when they were made), by (torch or
+#: Spare fusion buffers of ``fusion_bytes`` (of the runtime that made them), by (torch or
 #: numpy, dtype): a fresh one costs a page fault per 4 KiB at its first use, more than the
 #: copies at 64 KiB a member.
 _SPARES: dict[tuple[bool, Any], list[Any]] = {}
@@ -89,16 +88,17 @@ _MAX_SPARES = 2
 class _Fused:
     """One fused allreduce: the carrier's start and finishing step, and what they copy."""
 
-    __slots__ = ("carrier", "members", "proto", "numel", "whole", "addr", "start_op", "group",
-                 "op", "finish_op")
+    __slots__ = ("carrier", "members", "proto", "numel", "limit", "whole", "addr", "start_op",
+                 "group", "op", "finish_op")
 
-    def __init__(self, futs: list[CommFuture]) -> None:
+    def __init__(self, futs: list[CommFuture], limit: int) -> None:
         carrier = futs[0]
         group, buf, op = carrier.args  # type: ignore[misc]
         self.carrier = carrier
         self.members: list[tuple[CommFuture, Buffer]] = [(f, f.args[1]) for f in futs]  # type: ignore[index]
         self.proto = buf
         self.numel = sum(b.nbytes for _, b in self.members) // _itemsize(buf)
+        self.limit = limit
         self.whole: Any = None
         self.addr = 0
         self.start_op, self.group, self.op = carrier.start, group, op
@@ -119,8 +119,8 @@ class _Fused:
             whole = _SPARES.get((proto.is_torch, proto.obj.dtype), []).pop()
         except IndexError:
             pass
-        if whole is None or len(whole) < self.numel:  # (FUSION_BYTES was raised since)
-            whole = proto.empty((max(FUSION_BYTES // _itemsize(proto), self.numel),))
+        if whole is None or len(whole) < self.numel:  # (made for a smaller fusion_bytes)
+            whole = proto.empty((max(self.limit // _itemsize(proto), self.numel),))
         self.whole = whole
         self.carrier.hold = (self.carrier.hold, whole)
         obj = whole[:self.numel]

@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._buffers import new_buffer
+from .._config import DEFAULT_FUSION_BYTES
 from .._errors import DesyncError
 from .._types import DType
 from ._fusion import fuse
@@ -140,8 +141,10 @@ class Names:
       time at which to post the next one (None: at the next arrival only).
     """
 
-    def __init__(self, engine: Engine, comm: CommState, lane: Lane) -> None:
+    def __init__(self, engine: Engine, comm: CommState, lane: Lane,
+                 fusion_bytes: int = DEFAULT_FUSION_BYTES) -> None:
         self.engine = engine
+        self.fusion_bytes = fusion_bytes  # (0: no fusion; the same on every member)
         self.comm = comm
         self.lane = lane
         self.rank = comm.rank
@@ -314,8 +317,8 @@ class Names:
                 placed.append(self.fresh.pop(key))
         for f in placed:
             del self.held[f]
-        if len(placed) > 1:
-            fuse(placed)
+        if len(placed) > 1 and self.fusion_bytes:
+            fuse(placed, self.fusion_bytes)
         engine = self.engine
         engine.place(placed)
         self.last_time = now = engine._clock()

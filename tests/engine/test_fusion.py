@@ -42,7 +42,7 @@ def mpi():
     return ManualBackend(name="mpi", size=2)  # (can cancel: a member must still refuse)
 
 
-def _agreed(engine, backend, arrays, op=ReduceOp.SUM, comm="world"):
+def _agreed(engine, backend, arrays, op=ReduceOp.SUM, comm="world", limit=1 << 20):
     """Submit a named allreduce of each array, then fuse and place them as one round."""
     group = backend.world()
     lane = engine.lane(backend, group, engine.comm(comm, group.rank, group.size))
@@ -56,7 +56,7 @@ def _agreed(engine, backend, arrays, op=ReduceOp.SUM, comm="world"):
         futs.append(engine.submit(fut, named=(names, "sig")))
     assert names.ready_futs == futs
     with engine._lock:
-        _fusion.fuse(futs)
+        _fusion.fuse(futs, limit)
         engine.place(futs)
         engine._run_work()
     return futs
@@ -133,15 +133,13 @@ def test_a_carrier_failing_to_start_breaks_the_communicator_and_its_members_neve
 
 def test_a_spare_fusion_buffer_too_small_for_a_later_group_is_not_reused(engine, mpi,
                                                                          monkeypatch):
-    """Spares are made at the ``FUSION_BYTES`` of their time: a later, larger limit must not
-    copy a group into one of them (it would write past its end)."""
+    """Spares are made at the ``fusion_bytes`` of their runtime: a larger limit must not copy
+    a group into one of them (it would write past its end)."""
     monkeypatch.setattr(_fusion, "_SPARES", {})
-    monkeypatch.setattr(_fusion, "FUSION_BYTES", 32)
-    futs = _agreed(engine, mpi, [np.ones(2), np.ones(2)])
+    futs = _agreed(engine, mpi, [np.ones(2), np.ones(2)], limit=32)
     mpi.finish(mpi.started[0])
     engine.poll_once()
     assert [f.state for f in futs] == ["DONE"] * 2
-    monkeypatch.setattr(_fusion, "FUSION_BYTES", 1 << 20)
     _agreed(engine, mpi, [np.full(40, 1.0), np.full(40, 2.0)])
     fused = mpi.started[1].args[1].obj
     assert len(fused) == 80 and fused.tolist() == [1.0] * 40 + [2.0] * 40

@@ -193,14 +193,14 @@ def test_a_name_a_member_never_submits_fails_naming_it(comm):
 
 def test_small_named_allreduces_are_fused_and_each_gets_its_own_result(comm, monkeypatch):
     """Agreed in one round, small host allreduces of one lane, dtype and reduce op run as one
-    allreduce per ``FUSION_BYTES`` (made small here, so that groups split); each member still
+    allreduce per ``fusion_bytes`` (made small here, so that groups split); each member still
     gets its own sum, maximum or mean, whatever order its rank submitted it in, torch or
     numpy, whichever dtype."""
     from mcrdl.backends.gloo import GlooBackend
     from mcrdl.backends.mpi import MPIBackend
     from mcrdl.engine import _fusion
 
-    monkeypatch.setattr(_fusion, "FUSION_BYTES", 96)
+    monkeypatch.setattr(comm._names, "fusion_bytes", 96)  # (on every rank alike)
     starts = []
     for cls in (MPIBackend, GlooBackend):
         real = cls.start_allreduce
