@@ -213,7 +213,7 @@ class Communicator:
                              reads, writes, result, nbytes, finish, hold)
             fut.name = name
             fut.device = device
-            sig = self._signature(kind, slot.backend.name, args)
+            sig = self._signature(kind, slot.backend.name, args, device is not None)
             return self._engine.submit(fut, after, named=(self._names, sig))
         self._seq = seq = self._seq + 1
         fut = CommFuture(_NAMES[kind], slot.lane, seq, start, args, reads, writes, result,
@@ -276,20 +276,23 @@ class Communicator:
         return fingerprint(seq, kind, dtype, shape, root, op,
                            -1 if backend is None else names.index(backend), task)
 
-    def _signature(self, kind: OpKind, backend: str, args: tuple[Any, ...]) -> str:
+    def _signature(self, kind: OpKind, backend: str, args: tuple[Any, ...],
+                   on_device: bool) -> str:
         """A named collective's signature: what its members must agree on, as text; kept
         per (operation, backend, arguments' dtypes and shapes), since a training step names
-        the same shapes every iteration and the text costs a few µs to make."""
-        key = (kind, backend, *[(a.dtype, a.obj.shape, a.device == "cpu")
-                                if type(a) is Buffer else a for a in args[1:]])
+        the same shapes every iteration and the text costs a few µs to make. ``on_device``
+        (the operation's ``device`` is set) is part of it: fusion reads it, and every member
+        must fuse alike (`mcrdl.engine._fusion`)."""
+        key = (kind, backend, on_device, *[(a.dtype, a.obj.shape) if type(a) is Buffer else a
+                                           for a in args[1:]])
         sig = self._sigs.get(key)
         if sig is None:
             if len(self._sigs) >= 4096:  # (alltoallv's counts vary: never grow unbounded)
                 self._sigs.clear()
             sig = describe(self._fingerprint(0, kind, backend, args), sorted(self._slots),
                            seq=False)
-            if any(isinstance(a, Buffer) and a.device != "cpu" for a in args[1:]):
-                sig += " in device memory"  # (fusion reads where the bytes are: rule 8)
+            if on_device:
+                sig += " in device memory"
             self._sigs[key] = sig
         return sig
 

@@ -246,7 +246,7 @@ class Runtime:
         self._comms.append(comm)
         return comm
 
-    def agree_on_tuning(self) -> None:
+    def agree_on_settings(self) -> None:
         """Check that every rank holds the same tuning table (the hash of its entries), or
         that none holds one, and the same ``fusion_bytes`` (every member must fuse alike).
         Every rank runs it at ``init()``, with a table or without: a rank that skipped it
@@ -557,7 +557,7 @@ def init(
         runtime = Runtime(config, bootstrap, up)
         if config.tuning or bootstrap.size > 1:
             try:
-                runtime.agree_on_tuning()
+                runtime.agree_on_settings()
             except MCRDLError:
                 runtime.finalize()
                 raise

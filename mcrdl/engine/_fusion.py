@@ -97,7 +97,7 @@ class _Fused:
         self.carrier = carrier
         self.members: list[tuple[CommFuture, Buffer]] = [(f, f.args[1]) for f in futs]  # type: ignore[index]
         self.proto = buf
-        self.numel = sum(b.nbytes for _, b in self.members) // _itemsize(buf)
+        self.numel = sum(b.nbytes for _, b in self.members) // buf.obj.itemsize
         self.limit = limit
         self.whole: Any = None
         self.addr = 0
@@ -120,7 +120,7 @@ class _Fused:
         except IndexError:
             pass
         if whole is None or len(whole) < self.numel:  # (made for a smaller fusion_bytes)
-            whole = proto.empty((max(self.limit // _itemsize(proto), self.numel),))
+            whole = proto.empty((max(self.limit // proto.obj.itemsize, self.numel),))
         self.whole = whole
         self.carrier.hold = (self.carrier.hold, whole)
         obj = whole[:self.numel]
@@ -137,7 +137,7 @@ class _Fused:
         """Copy each member's share of the result back, then run the carrier's own step."""
         at = self.addr
         for fut, b in self.members:
-            if fut is carrier or fut._state == ISSUED:  # (in flight with it: Engine._carry)
+            if fut._state == ISSUED:  # (the carrier, and what it carries: Engine._carry)
                 memmove(b.addr, at, b.nbytes)
             at += b.nbytes
         proto = self.proto
@@ -147,7 +147,3 @@ class _Fused:
         self.whole = None
         if self.finish_op is not None:
             self.finish_op(carrier)
-
-
-def _itemsize(buf: Buffer) -> int:
-    return buf.nbytes // int(buf.obj.numel() if buf.is_torch else buf.obj.size)

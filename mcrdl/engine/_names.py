@@ -50,9 +50,10 @@ What a round places goes to the engine in the agreed order, small host allreduce
 
 A signature (operation, dtype, shape, root, reduce op, backend, and whether the buffers are
 in device memory) travels with each name: the same name with another signature on another
-member fails with DesyncError on every member that holds it, naming both. A name that some members never submit fails, after the runtime's
-timeout, with DesyncError naming the members that did not have it at the last round. Both
-break the communicator (rule 7): the members no longer agree on what runs next.
+member fails with DesyncError on every member that holds it, naming both. A name that some
+members never submit fails, after the runtime's timeout, with DesyncError naming the members
+that did not have it at the last round. Both break the communicator (rule 7): the members no
+longer agree on what runs next.
 """
 
 from __future__ import annotations
@@ -66,7 +67,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._buffers import new_buffer
-from .._config import DEFAULT_FUSION_BYTES
 from .._errors import DesyncError
 from .._types import DType
 from ._fusion import fuse
@@ -142,7 +142,7 @@ class Names:
     """
 
     def __init__(self, engine: Engine, comm: CommState, lane: Lane,
-                 fusion_bytes: int = DEFAULT_FUSION_BYTES) -> None:
+                 fusion_bytes: int) -> None:
         self.engine = engine
         self.fusion_bytes = fusion_bytes  # (0: no fusion; the same on every member)
         self.comm = comm

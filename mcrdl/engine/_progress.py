@@ -208,6 +208,13 @@ class EngineStats:
     zombies: int = 0
 
 
+def _with_carried(futs: list[CommFuture]) -> list[CommFuture]:
+    """``futs`` (issued), and the operations fused into them and in flight with them
+    (`Engine._carry`)."""
+    return futs + [m for f in futs if f.carried is not None for m in f.carried
+                   if m._state == ISSUED]
+
+
 class Engine:
     """Issues operations in lane order as their dependencies finish, and resolves their futures.
 
@@ -691,20 +698,15 @@ class Engine:
             text = (f"{fut.kind}#{fut.seq} on {fut.lane.backend_name} ran fused into "
                     f"{carrier.kind}#{carrier.seq}, which "
                     f"{STATE_NAMES[carrier._state].lower()}: {error}")
-            try:  # the carrier's kind of error (a timeout, finalize, a backend's failure)
-                failure = type(error)(text) if isinstance(error, MCRDLError) else None
-            except Exception:  # noqa: BLE001 - an error type with another signature
-                failure = None
-            failure = failure or DependencyFailedError(text)
+            # The carrier's kind of error (a timeout, finalize, a backend's failure).
+            failure = (type(error)(text) if isinstance(error, MCRDLError)
+                       else DependencyFailedError(text))
             failure.__cause__ = error
             self._work.append((fut, failure))
 
     def _in_flight(self) -> list[CommFuture]:
         """The issued, unfinished futures: each track's, and what their carriers carry."""
-        out = [f for t in self._track_list for f, _ in t.items()]
-        out.extend([m for f in out if f.carried is not None
-                    for m in f.carried if m._state == ISSUED])
-        return out
+        return _with_carried([f for t in self._track_list for f, _ in t.items()])
 
     def _pump(self, lane: Lane) -> None:
         """Issue the lane's head operations, in order, while their dependencies are met."""
@@ -1325,8 +1327,7 @@ class Engine:
             expired = [f for t in self._track_list for f, _ in t.items() if f.t_issue < limit]
             if not expired and not named:
                 return
-            carried = [m for f in expired if f.carried is not None for m in f.carried
-                       if m._state == ISSUED]  # (they time out with their carriers)
+            timed_out = _with_carried(expired)  # (what they carry times out with them)
             record = flight_record(self)
             dump = flight_dump(self, list(self.waiting))
             # Named operations first, so that theirs is the cause the peers hear of: fail
@@ -1345,8 +1346,8 @@ class Engine:
             self._run_work()
         self._after_lock()
         if self._on_timeout is not None:
-            self._on_timeout([f for futs in named.values() for f in futs] + expired + carried,
-                             record, dump)
+            self._on_timeout([f for futs in named.values() for f in futs] + timed_out, record,
+                             dump)
 
     # -- operations the engine makes, and named operations' places (lock held) ----------
 
@@ -1424,7 +1425,7 @@ class Engine:
         """Fail every unfinished future with ``make_error(fut)``; returns how many."""
         with self._lock:
             issued = [f for track in self._track_list for f, _ in track.items()]
-            carried = len(self._in_flight()) - len(issued)  # (fail with their carriers)
+            failing = _with_carried(issued)  # (what they carry fails with them)
             for fut in issued:
                 self._give_up(fut, make_error(fut))
             pending: dict[CommFuture, None] = {}
@@ -1435,7 +1436,7 @@ class Engine:
                 self._work.append((fut, make_error(fut)))
             self._run_work()
         self._after_lock()
-        return len(issued) + carried + len(pending)
+        return len(failing) + len(pending)
 
     def zombies(self) -> list[CommFuture]:
         """The failed operations whose backend may still use their memory."""

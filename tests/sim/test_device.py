@@ -524,3 +524,18 @@ def test_an_operation_handed_over_as_it_is_waits_behind_a_staged_one():
     for seed in range(6):
         got = _staged_run(program, "direct", seed=seed, max_delay=6)
         assert got == [([3.0, 3.0], [10.0, 10.0, 20.0, 20.0])] * 2
+
+
+def test_a_name_on_host_memory_here_and_device_memory_there_is_a_desync():
+    """Whether a named operation's buffers are in device memory is part of its signature:
+    fusion (host memory only) must be decided alike on every member, so a name given host
+    memory on one rank and device memory on another fails with DesyncError (or
+    CommBrokenError naming it) on both, where it used to agree."""
+    def program(comm):
+        x = np.ones(4) if comm.rank == 0 else _device(comm).array(np.ones(4))
+        with pytest.raises((mcrdl.DesyncError, mcrdl.CommBrokenError)) as info:
+            comm.allreduce(x, backend="mpi", name="g").wait()
+        return str(info.value)
+
+    for text in _run(program):
+        assert "in device memory" in text, text
