@@ -11,11 +11,18 @@ Quirks beyond the contract:
   backend).
 - Collectives run on gloo's own threads (``self_progressing``): pollers must yield the CPU to
   them. Completion is ``Work.is_completed()``; a failed Work reports through ``Work.wait()``.
-- send, recv and reduce_scatter Work never report completion until ``wait()`` is called, and
-  a ``wait()`` with a short timeout breaks a send/recv pair for good; so each of those in
-  flight is waited on by a thread of a small pool (``_Waiters``), which marks it done. A single waiter thread taking
-  them in order was rejected: a later send's completion could then wait for an earlier
-  recv whose sender needs that completion first (a deadlock of a well-formed program).
+- send and recv Work never report completion until ``wait()`` is called, and a ``wait()``
+  with a short timeout breaks a send/recv pair for good; so each of those in flight is
+  waited on by a thread of a small pool (``_Waiters``), which marks it done. A single waiter
+  thread taking them in order was rejected: a later send's completion could then wait for an
+  earlier recv whose sender needs that completion first (a deadlock of a well-formed
+  program).
+- torch's gloo reduce_scatter is an allreduce of a copy of the input, then a copy of this
+  member's chunk out of it, made in the Work's ``wait()`` (so it, too, never reports
+  completion before one). mcrdl runs those same two steps itself (`_Chunked`): a pollable
+  allreduce, and the chunk copied by whoever sees it complete. Handing it to the pool
+  instead cost two thread hand-offs per operation: 1.21-1.50x raw torch.distributed at 2
+  ranks, 4 B to 256 KiB (docs/performance.md).
 - gloo cannot move int16, uint16, uint32, uint64 or (in gather-type operations) complex
   tensors; mcrdl moves them as bit-identical views (float16, int32, int64, real pairs).
   They do not reduce, except complex SUM and AVG.
@@ -73,6 +80,33 @@ class _Waited:
         self.done = False
         self.error: BaseException | None = None
         self.event = threading.Event()
+
+
+class _Chunked:
+    """A reduce_scatter in flight: an allreduce of ``whole`` (a copy of the input), then this
+    member's chunk of it copied into ``out`` by ``test()`` once the allreduce completed (a
+    ``Work``'s two methods that ``test()`` calls; ``block()`` waits on the allreduce itself,
+    outside the engine's lock, and leaves the copy to the next poll)."""
+
+    __slots__ = ("work", "whole", "out", "rank", "size")
+
+    def __init__(self, work: Any, whole: Any, out: Any, rank: int, size: int) -> None:
+        self.work = work
+        self.whole = whole
+        self.out = out
+        self.rank = rank
+        self.size = size
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
+
+    def wait(self) -> bool:
+        """Called by ``test()``, under the engine's lock, once the allreduce completed."""
+        self.work.wait()
+        if self.whole is not None:
+            self.out.copy_(self.whole.chunk(self.size)[self.rank])
+            self.whole = self.out = None
+        return True
 
 
 class _Waiters:
@@ -271,12 +305,9 @@ class GlooBackend(Backend):
     def start_reduce_scatter(
         self, group: _GlooGroup, buf: Buffer, out: Buffer, op: ReduceOp
     ) -> Request:
-        if group.size == 1:  # gloo's reduce_scatter never completes on one rank
-            out.torch().copy_(buf.torch())
-            return None
-        opts = self._dist.ReduceScatterOptions()
-        opts.reduceOp = self._red[op]  # type: ignore[assignment]
-        return self._waiters.submit(group.pg._reduce_scatter_base(out.torch(), buf.torch(), opts))
+        whole = buf.torch().clone()
+        work = group.pg.allreduce([whole], self._allreduce_opts[op])
+        return _Chunked(work, whole, out.torch(), group.rank, group.size)
 
     def start_alltoall(self, group: _GlooGroup, buf: Buffer, out: Buffer) -> Request:
         return group.pg.alltoall_base(self._moved(out), self._moved(buf), [], [])
@@ -320,6 +351,8 @@ class GlooBackend(Backend):
     def block(self, request: Request, timeout: float) -> bool:
         if type(request) is _Waited:
             return request.event.wait(timeout)
+        if type(request) is _Chunked:
+            request = request.work
         # Work.wait counts whole milliseconds, and 0 means no timeout at all: a shorter
         # slice would wait for the whole operation.
         try:
