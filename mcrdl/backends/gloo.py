@@ -101,11 +101,10 @@ class _Chunked:
         return bool(self.work.is_completed())
 
     def wait(self) -> bool:
-        """Called by ``test()``, under the engine's lock, once the allreduce completed."""
+        """Called by ``test()``, under the engine's lock, once the allreduce completed (once:
+        the engine forgets a request it reported)."""
         self.work.wait()
-        if self.whole is not None:
-            self.out.copy_(self.whole.chunk(self.size)[self.rank])
-            self.whole = self.out = None
+        self.out.copy_(self.whole.chunk(self.size)[self.rank])
         return True
 
 

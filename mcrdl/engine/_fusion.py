@@ -114,11 +114,8 @@ class _Fused:
         carrier holds the buffer: if it fails, the buffer is not reused, since its backend
         may still write it.)"""
         proto = self.proto
-        whole = None
-        try:
-            whole = _SPARES.get((proto.is_torch, proto.obj.dtype), []).pop()
-        except IndexError:
-            pass
+        spares = _SPARES.get((proto.is_torch, proto.obj.dtype))
+        whole = spares.pop() if spares else None
         if whole is None or len(whole) < self.numel:  # (made for a smaller fusion_bytes)
             whole = proto.empty((max(self.limit // proto.obj.itemsize, self.numel),))
         self.whole = whole
