@@ -69,6 +69,7 @@ __all__ = ["Engine", "EngineStats"]
 #: Tests of a lone request per hold of the lock in Engine.spin_lone (a lock round trip
 #: costs as much as a test; other threads wait at most a burst for the lock).
 _BURST = 8
+_REST_OF_BURST = range(_BURST - 1)
 
 #: Errors that mean an issued operation will not run as its peers expect, so that it breaks
 #: its communicator like an operation that was never issued: the engine gave up on it
@@ -1157,61 +1158,63 @@ class Engine:
         if carrier is not None:  # in flight as part of its carrier: spin on the carrier's
             return self.spin_lone(carrier) and fut._state >= DONE
         lane = fut.lane
-        if (fut._state != ISSUED or not lane.spins_alone or self.idle_hook is not None
-                or lane.track.live != 1 or self._deferred or self._gated):
+        track = lane.track
+        if (fut._state != ISSUED or not lane.spins_alone or track.live != 1
+                or self.idle_hook is not None or self._deferred or self._gated):
             return False
-        if self._unfinished != 1:  # the others are all waiting to be issued?
-            for track in self._track_list:
-                if track.live and track is not lane.track:
+        unfinished = self._unfinished
+        if unfinished != 1:  # the others are all waiting to be issued?
+            for other in self._track_list:
+                if other.live and other is not track:
                     return False
+        lock = self._lock
+        test = track.backend.test_one
+        request = fut._request
+        rest = _REST_OF_BURST
         # Counted as a driver meanwhile, so that the background thread keeps off: a test of a
         # large message moves a chunk of it, and the spin can last the whole operation; the
         # thread, polling MPI every background_min beside it, slowed large operations by a
         # quarter (docs/performance.md).
         self.drivers += 1
         try:
-            return self._spin_lone(fut, lane)
+            for _ in self._lone_bursts:  # none on an oversubscribed node
+                if not lock.acquire(False):
+                    return False
+                try:
+                    if self._unfinished != unfinished or fut._state != ISSUED:
+                        return fut._state >= DONE
+                    self._n_polls += _BURST
+                    # A burst of tests under one hold of the lock: nothing can change
+                    # meanwhile. The first test stands alone: it is the one that finds most
+                    # small operations done, and a loop costs more than the test
+                    # (docs/performance.md).
+                    error: BaseException | None = None
+                    try:
+                        if not test(request):
+                            for _ in rest:
+                                if test(request):
+                                    break
+                            else:
+                                continue  # not finished: release the lock (finally), go on
+                    except BackendError as exc:
+                        error = exc
+                    except Exception as exc:  # noqa: BLE001 - a backend's failure fails it
+                        error = BackendError(
+                            f"{fut.kind}#{fut.seq} on {lane.backend_name}: {exc}")
+                        error.__cause__ = exc
+                    track.empty()  # fut's request was its only live entry
+                    self._settle(fut, error)
+                    self.last_active = fut.t_done
+                    if self._work:
+                        self._run_work()
+                finally:
+                    lock.release()
+                if self._due or self._to_tell:
+                    self._after_lock()
+                return True
+            return False
         finally:
             self.drivers -= 1
-
-    def _spin_lone(self, fut: CommFuture, lane: Lane) -> bool:
-        lock = self._lock
-        track = lane.track
-        test = track.backend.test_one
-        request = fut._request
-        burst = range(_BURST)
-        unfinished = self._unfinished
-        for _ in self._lone_bursts:  # none on an oversubscribed node
-            if not lock.acquire(False):
-                return False
-            try:
-                if self._unfinished != unfinished or fut._state != ISSUED:
-                    return fut._state >= DONE
-                self._n_polls += _BURST
-                # A burst of tests under one hold of the lock: nothing can change meanwhile.
-                error: BaseException | None = None
-                try:
-                    for _ in burst:
-                        if test(request):
-                            break
-                    else:
-                        continue  # not finished: release the lock (finally), then go on
-                except BackendError as exc:
-                    error = exc
-                except Exception as exc:  # noqa: BLE001 - a backend's failure fails the future
-                    error = BackendError(f"{fut.kind}#{fut.seq} on {fut.lane.backend_name}: {exc}")
-                    error.__cause__ = exc
-                track.empty()  # fut's request was its only live entry
-                self._settle(fut, error)
-                self.last_active = fut.t_done
-                if self._work:
-                    self._run_work()
-            finally:
-                lock.release()
-            if self._due or self._to_tell:
-                self._after_lock()
-            return True
-        return False
 
     def in_flight(self) -> int:
         """Operations submitted and not yet finished (issued or not)."""
