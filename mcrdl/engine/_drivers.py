@@ -271,20 +271,20 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
     allreduce, broadcast, alltoall) read 0.84-1.23 this way against 0.92-1.25 polling until
     the hand-off.
     """
-    poll = engine.poll_once
-    policy = engine.policy
-    patience = policy.patience
-    block_at = policy.block_after(fut.nbytes)
-    hand_at = policy.await_block_seconds
-    lone = False
     if fut._route is not None and type(fut._route) is not tuple:
         # A named operation not yet agreed on: one loop iteration first, in which sibling
         # tasks submit theirs, so that one agreement round takes them all (Names.ready).
         yield
         if fut._state >= DONE:  # a sibling task's polls finished it meanwhile
             return
-    if engine.spin_lone(fut):
+    if engine.spin_lone(fut):  # (most small operations end here: nothing else set up first)
         return
+    poll = engine.poll_once
+    policy = engine.policy
+    patience = policy.patience
+    block_at = policy.block_after(fut.nbytes)
+    hand_at = policy.await_block_seconds
+    lone = False
     engine.drivers += 1
     engine.waiting.append(fut)
     try:

@@ -281,9 +281,12 @@ class CommFuture:
 
     def __await__(self) -> Generator[Any, None, Any]:
         # Cancelling the awaiting task stops the waiting, never the operation: its peers
-        # match it whatever this task does next.
+        # match it whatever this task does next. As in wait(), the lone spin comes first:
+        # most small MPI operations end in it, before any generator is made.
         if self._state < DONE:
-            yield from self._engine.drive_async(self)
+            engine = self._engine
+            if not engine.spin_lone(self):
+                yield from engine.drive_async(self)
         return self.result()
 
     def cancel(self) -> bool:
