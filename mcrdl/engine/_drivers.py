@@ -257,8 +257,9 @@ def _set_none(waiter: asyncio.Future[None]) -> None:
 def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
     """Poll from the running event loop until ``fut`` is done.
 
-    Short waits never leave the loop's thread: first the lone spin (``Engine.spin_lone``, up
-    to ``lone_spins`` direct tests, ~50 µs) or a few polls in place (when spinning is safe: a
+    Called by ``CommFuture.__await__`` once its lone spin (``Engine.spin_lone``, up to
+    ``lone_spins`` direct tests, ~50 µs) has not finished ``fut``. Short waits never leave
+    the loop's thread: a few polls in place (when spinning is safe: a
     small operation finishes within them, and a loop iteration costs more than the whole
     operation), then each idle poll gives the loop one iteration (a bare ``yield``).
     A wait longer than ``yield_seconds`` is handed to the background thread, which resolves
@@ -273,12 +274,12 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
     """
     if fut._route is not None and type(fut._route) is not tuple:
         # A named operation not yet agreed on: one loop iteration first, in which sibling
-        # tasks submit theirs, so that one agreement round takes them all (Names.ready).
+        # tasks submit theirs, so that one agreement round takes them all (Names.ready);
+        # then its lone spin (the awaiting CommFuture.__await__ spun before calling here,
+        # when the operation could not spin yet).
         yield
-        if fut._state >= DONE:  # a sibling task's polls finished it meanwhile
+        if fut._state >= DONE or engine.spin_lone(fut):  # (a sibling's polls, or the spin)
             return
-    if engine.spin_lone(fut):  # (most small operations end here: nothing else set up first)
-        return
     poll = engine.poll_once
     policy = engine.policy
     patience = policy.patience

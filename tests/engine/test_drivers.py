@@ -219,6 +219,27 @@ def test_the_contract_default_test_one_reports_a_failed_request():
         fut.wait(timeout=5.0)
     assert fut.state == "FAILED" and engine.in_flight() == 0
 
+def test_an_awaited_lone_spin_is_bounded_before_the_loop_gets_a_turn():
+    """``await`` spins on a lone operation at most ``lone_spins`` tests before it gives the
+    event loop an iteration, as ``wait()`` spins at most that many before it polls."""
+    backend = Counting(after=10**9)
+    engine = Engine(background=False)
+    fut = submit(engine, backend, "allreduce")
+    seen = []
+
+    async def main():
+        async def other():  # runs at the awaiting task's first yield
+            seen.append(backend.one_tests)
+            backend.started[0].done = True
+
+        task = asyncio.ensure_future(other())
+        await fut
+        await task
+
+    asyncio.run(main())
+    assert fut.done()
+    assert 0 < seen[0] <= engine.policy.lone_spins
+
 def test_a_lone_spin_stops_when_another_operation_arrives():
     """A spin is bounded (lone_spins tests), so an operation that another thread submits
     meanwhile is polled soon after (rule 5 of DESIGN.md: the spin cannot interleave with the
