@@ -102,3 +102,23 @@ def host() -> str:
                        if k in fields)
     return (f"{fields.get('Model name', 'unknown CPU')}, {os.cpu_count()} cores"
             + (f" ({caches})" if caches else ""))
+
+
+def mpi_target(nbytes: int) -> str:
+    """The overhead target for mcrdl's ``.wait()`` over mpi against raw nb at ``nbytes``, as
+    text: ``+4us`` (<= 4 KiB), ``+5us`` (to 256 KiB), ``0.9x`` (from 1 MiB), ``0.95x`` (from
+    4 MiB)."""
+    if nbytes <= 4096:
+        return "+4us"
+    if nbytes < 1 << 20:
+        return "+5us"
+    return "0.95x" if nbytes >= 4 << 20 else "0.9x"
+
+
+def meets_mpi_target(nbytes: int, raw_s: float, call_s: float) -> bool:
+    """Whether a call taking ``call_s`` seconds meets `mpi_target` against raw nb's
+    ``raw_s``."""
+    target = mpi_target(nbytes)
+    if target.endswith("us"):
+        return (call_s - raw_s) * 1e6 <= float(target[1:-2])
+    return raw_s / call_s >= float(target[:-1])

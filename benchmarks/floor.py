@@ -1,31 +1,38 @@
 """How much of the engine's cost per operation any Python engine with its guarantees pays.
 
-    python benchmarks/floor.py [--iters 20000] [--runs 3] [--bytes 4]
-    mpiexec -n 2 python benchmarks/floor.py --bytes 4,4K,64K,256K,1M
+    python benchmarks/floor.py [--iters 20000] [--runs 3] [--bytes 4] [--ops allreduce]
+    mpiexec -n 2 python benchmarks/floor.py --ops allreduce,alltoall --bytes 4,4K,64K,1M,4M
+    mpiexec -n 2 python benchmarks/floor.py --barrier on ...
 
-In one process, a communicator of one rank, where MPI finishes an allreduce at its issue: what
+In one process, a communicator of one rank, where MPI finishes an operation at its issue: what
 is timed is Python around MPI, nothing else. Under ``mpiexec -n 2``, the same at two ranks,
 each call's time taken on the slower rank (as ``benchmarks/overhead.py`` does): what
 ``overhead.py``'s targets ask, against the least any Python engine with mcrdl's guarantees
-pays. Three calls, alternated call by call (``common.alternate``; medians of each run):
+pays. Three calls, alternated call by call (``common.alternate``, with a barrier before each
+call under ``--barrier on``, overhead.py's second mode; medians of each run):
 
-- ``raw nb``: mpi4py's ``Iallreduce`` on a numpy view made once, then its ``Test`` loop (the
-  floor column of ``benchmarks/overhead.py``);
+- ``raw nb``: mpi4py's nonblocking call (``Iallreduce``, ``Ialltoall``, ``Iallgather``,
+  ``Ibcast``, ``Ireduce_scatter_block``) on numpy views made once, then its ``Test`` loop
+  (the floor column of ``benchmarks/overhead.py``);
 - ``straight``: the least that the guarantees of ``DESIGN.md`` ask of each operation, written
   as one straight-line function with no call of mcrdl's (a measuring device, not an engine:
-  it handles one allreduce of one tensor on one lane and nothing else). It checks the tensor
-  (type, dtype, contiguity, device), checks the op, reads the cached choice of backend, makes
-  a descriptor (a slotted object: kind, lane, sequence number, position, ranges, result,
-  request, state, times), and under the engine's lock checks that the runtime and the
-  communicator are open, numbers it on its lane, looks up hazards, stamps its submission time
-  (the always-on timeout), issues it by address, records it as in flight; then tests it and
-  settles it under the lock (state, completion time, counters, the in-flight record);
-- ``mcrdl``: ``comm.allreduce(t, backend="mpi").wait()``.
+  it handles one operation of one kind on one lane and nothing else). It checks each tensor
+  (type, dtype, contiguity, device) and that the output matches the input, checks the op (or
+  the root), reads the cached choice of backend, makes a descriptor (a slotted object: kind,
+  lane, sequence number, position, ranges, result, request, state, times), and under the
+  engine's lock checks that the runtime and the communicator are open, numbers it on its
+  lane, looks up hazards, stamps its submission time (the always-on timeout), issues it by
+  address, records it as in flight; then tests it and settles it under the lock (state,
+  completion time, counters, the in-flight record);
+- ``mcrdl``: ``comm.<op>(t, out=out, backend="mpi").wait()``.
 
 ``straight - raw nb`` is what those guarantees cost in Python on this host when nothing is
 structured; ``mcrdl - straight`` is what the engine's structure (its functions, the lanes and
-tracks shared by every operation and backend) adds. Figures move between hosts: quote the
-host (printed first).
+tracks shared by every operation and backend) adds. The last columns say whether each meets
+``overhead.py``'s target for ``.wait()`` at that size (against raw nb of the same pairs): a
+point the straight function misses is out of reach of any Python engine with these
+guarantees on this host, in that minute. Figures move between hosts: quote the host (printed
+first).
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mcrdl  # noqa: E402
-from common import alternate, host, human, parse_sizes  # noqa: E402
+from common import alternate, host, human, meets_mpi_target, mpi_target, parse_sizes  # noqa: E402
 from mcrdl import ReduceOp  # noqa: E402
 
 
@@ -65,11 +72,16 @@ class _Lane:
         self.broken = None
 
 
-def straight_allreduce(MPI, mpi_comm):  # noqa: N803 - the module's own name
-    """The ``straight`` call: submit and wait for one allreduce of a tensor, in one frame."""
+def straight_call_for(MPI, mpi_comm, kind: str, size: int):  # noqa: N803 - the module's own name
+    """The ``straight`` call for ``kind``: submit and wait for one operation on a tensor (and,
+    for alltoall, allgather and reduce_scatter, its output tensor), in one frame."""
     tensor_type = torch.Tensor
     dtypes = {torch.float32: (MPI.FLOAT, "float32")}
-    choices = {("allreduce", "float32", ReduceOp.SUM, "mpi", "cpu"): (mpi_comm, MPI.SUM)}
+    reducing = kind in ("allreduce", "reduce_scatter")
+    choices = {(kind, "float32", ReduceOp.SUM if reducing else None, "mpi", "cpu"):
+               (mpi_comm, MPI.SUM)}
+    # (a, b): out holds a/b times the bytes of the input (allreduce and broadcast have no out)
+    out_ratio = {"alltoall": (1, 1), "allgather": (size, 1), "reduce_scatter": (1, size)}.get(kind)
     fromaddress = MPI.buffer.fromaddress
     in_place = MPI.IN_PLACE
     lock = threading.Lock()
@@ -78,30 +90,47 @@ def straight_allreduce(MPI, mpi_comm):  # noqa: N803 - the module's own name
     hazards: dict = {}
     state = {"closed": False, "unfinished": 0, "seq": 0}
 
-    def call(t, op=ReduceOp.SUM, backend="mpi"):
-        # the front: check the buffer and the op, pick the backend
+    def call(t, out=None, op=ReduceOp.SUM, root=0, backend="mpi"):
+        # the front: check the buffers and the op or the root, pick the backend
         if not isinstance(t, tensor_type):
             raise TypeError("buf must be a tensor")
         dt = dtypes.get(t.dtype)
-        if dt is None or not t.is_contiguous():
-            raise ValueError("buf must be a contiguous tensor of a carried dtype")
-        device = "cpu" if t.is_cpu else str(t.device)
+        if dt is None or not t.is_contiguous() or not t.is_cpu:
+            raise ValueError("buf must be a contiguous host tensor of a carried dtype")
         n = t.nbytes
         addr = t.data_ptr()
-        if type(op) is not ReduceOp:
-            raise TypeError("op must be a ReduceOp")
-        choice = choices.get(("allreduce", dt[1], op, backend, device))
+        if out_ratio is not None:
+            if (not isinstance(out, tensor_type) or out.dtype is not t.dtype
+                    or not out.is_contiguous() or not out.is_cpu):
+                raise ValueError("out must be a contiguous host tensor of buf's dtype")
+            out_n = out.nbytes
+            if out_n * out_ratio[1] != n * out_ratio[0]:
+                raise ValueError("out's size does not match buf's")
+            out_addr = out.data_ptr()
+        if reducing:
+            if type(op) is not ReduceOp:
+                raise TypeError("op must be a ReduceOp")
+        else:
+            op = None
+            if kind == "broadcast" and (type(root) is not int or not 0 <= root < size):
+                raise ValueError("root out of range")
+        choice = choices.get((kind, dt[1], op, backend, "cpu"))
         if choice is None:
             raise ValueError("no backend")
         comm, mop = choice
         # the descriptor
         fut = _Op()
-        fut.kind = "allreduce"
+        fut.kind = kind
         fut.lane = lane
         state["seq"] = fut.seq = state["seq"] + 1
-        fut.reads = ()
-        fut.writes = ((addr, addr + n),)
-        fut.result = t
+        if out_ratio is None:
+            fut.reads = ()
+            fut.writes = ((addr, addr + n),)
+            fut.result = t
+        else:
+            fut.reads = ((addr, addr + n),)
+            fut.writes = ((out_addr, out_addr + out_n),)
+            fut.result = out
         fut.nbytes = n
         fut.state = 0
         # the engine: under its lock, open, numbered, hazards, stamped, issued
@@ -113,7 +142,20 @@ def straight_allreduce(MPI, mpi_comm):  # noqa: N803 - the module's own name
             if hazards:
                 raise AssertionError("nothing else is in flight here")
             fut.t_submit = clock()
-            fut.request = comm.Iallreduce(in_place, [fromaddress(addr, n), dt[0]], mop)
+            first = [fromaddress(addr, n), dt[0]]
+            if kind == "allreduce":
+                req = comm.Iallreduce(in_place, first, mop)
+            elif kind == "broadcast":
+                req = comm.Ibcast(first, root)
+            else:
+                last = [fromaddress(out_addr, out_n), dt[0]]
+                if kind == "alltoall":
+                    req = comm.Ialltoall(first, last)
+                elif kind == "allgather":
+                    req = comm.Iallgather(first, last)
+                else:
+                    req = comm.Ireduce_scatter_block(first, last, mop)
+            fut.request = req
             fut.state = 1
             lane.issued += 1
             lane.in_flight.append(fut)
@@ -133,71 +175,115 @@ def straight_allreduce(MPI, mpi_comm):  # noqa: N803 - the module's own name
     return call
 
 
+OPS = ("allreduce", "alltoall", "allgather", "broadcast", "reduce_scatter")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=20000)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--bytes", default="4", help="message sizes: 4, or 4,4K,64K, or 4:1M")
+    ap.add_argument("--ops", default="allreduce", help=f"comma-separated, of {','.join(OPS)}")
+    ap.add_argument("--barrier", choices=("on", "off"), default="off",
+                    help="a barrier before each call, untimed (overhead.py's second mode)")
     args = ap.parse_args()
+    ops = args.ops.split(",")
+    for op in ops:
+        if op not in OPS:
+            ap.error(f"--ops: {op!r} is not one of {', '.join(OPS)}")
     comm = mcrdl.init()
     from mpi4py import MPI
 
     raw_comm = MPI.COMM_WORLD.Dup()
     n = comm.size
-    straight_call = straight_allreduce(MPI, raw_comm)
+    sync = raw_comm.Barrier if args.barrier == "on" else None
     if comm.rank == 0:
         print(f"# {host()}")
-        print(f"# allreduce on {n} rank(s), µs per call (medians of {args.iters} alternated "
-              f"calls per pair and run{'; each call the slowest rank' if n > 1 else ''})")
-        print(f"{'bytes':>6} {'run':>3} | {'raw nb':>7} {'straight':>8} {'mcrdl':>7} | "
-              f"{'straight - raw':>14} {'mcrdl - straight':>16} {'mcrdl - raw':>11}")
-    for nbytes in parse_sizes(args.bytes):
-        # zeros: the sum over any number of ranks leaves them as they are
-        t = torch.zeros(max(1, nbytes // 4))
-        a = t.numpy()
-
-        def raw() -> None:
-            req = raw_comm.Iallreduce(MPI.IN_PLACE, a)
-            while not req.Test():
-                pass
-
-        def straight() -> None:
-            straight_call(t)
-
-        def engine() -> None:
-            comm.allreduce(t, backend="mpi").wait()
-
-        # the calls give the same result
-        straight()
-        engine()
-        assert not t.any()
-        iters = max(200, min(args.iters, args.iters * 4096 // max(4096, nbytes)))
-        for run in range(args.runs):
-            for _ in range(max(100, iters // 10)):  # warm every path
-                raw()
-                straight()
-                engine()
-            pairs = [alternate(raw, straight, iters), alternate(straight, engine, iters),
-                     alternate(raw, engine, iters)]
-            # each call's time on the slowest rank (the ranks make the calls in step)
-            (r1, s1), (s2, m2), (r3, m3) = [
-                tuple(np.max(raw_comm.allgather(np.array(x)), axis=0) for x in pair)
-                for pair in pairs]
-            if comm.rank:
-                continue
-            us = 1e6
-            med = statistics.median
-            rw = med(np.concatenate([r1, r3])) * us
-            st = med(np.concatenate([s1, s2])) * us
-            mc = med(np.concatenate([m2, m3])) * us
-            # the differences from the pairs that hold both calls (each pair sees one machine)
-            d_sr = med(s1 - r1) * us
-            d_ms = med(m2 - s2) * us
-            d_mr = med(m3 - r3) * us
-            print(f"{human(nbytes):>6} {run:>3} | {rw:7.2f} {st:8.2f} {mc:7.2f} | "
-                  f"{d_sr:+14.2f} {d_ms:+16.2f} {d_mr:+11.2f}", flush=True)
+        print(f"# {n} rank(s), µs per call (medians of {args.iters} alternated calls per pair "
+              f"and run{'; each call the slowest rank' if n > 1 else ''}; barrier "
+              f"{args.barrier}); target: overhead.py's for .wait() against raw nb, met or not "
+              f"by each")
+        print(f"{'op':<14} {'bytes':>6} {'run':>3} | {'raw nb':>7} {'straight':>8} {'mcrdl':>7} | "
+              f"{'straight - raw':>14} {'mcrdl - straight':>16} {'mcrdl - raw':>11} | "
+              f"{'target':>6} {'straight':>8} {'mcrdl':>5}")
+    for op in ops:
+        straight_call = straight_call_for(MPI, raw_comm, op, n)
+        for nbytes in parse_sizes(args.bytes):
+            row = _point(op, nbytes, n, args, comm, raw_comm, MPI, straight_call, sync)
+            if comm.rank == 0:
+                for line in row:
+                    print(line, flush=True)
     raw_comm.Free()
     mcrdl.finalize()
+
+
+def _point(op, nbytes, n, args, comm, raw_comm, MPI, straight_call, sync) -> list[str]:  # noqa: N803
+    """``args.runs`` rows for ``op`` at ``nbytes`` (printed on rank 0)."""
+    # zeros: sums, exchanges and copies of zeros leave zeros over any number of ranks
+    elems = max(1, nbytes // 4)
+    if op in ("alltoall", "reduce_scatter"):
+        elems = max(n, elems // n * n)
+    t = torch.zeros(elems)
+    out = {"alltoall": torch.zeros(elems), "allgather": torch.zeros(elems * n),
+           "reduce_scatter": torch.zeros(elems // n)}.get(op)
+    a, o = t.numpy(), None if out is None else out.numpy()
+    c, in_place = raw_comm, MPI.IN_PLACE
+    start = {
+        "allreduce": lambda: c.Iallreduce(in_place, a),
+        "alltoall": lambda: c.Ialltoall(a, o),
+        "allgather": lambda: c.Iallgather(a, o),
+        "broadcast": lambda: c.Ibcast(a, 0),
+        "reduce_scatter": lambda: c.Ireduce_scatter_block(a, o),
+    }[op]
+    method = getattr(comm, op)
+    kwargs = {} if out is None else {"out": out}
+
+    def raw() -> None:
+        req = start()
+        while not req.Test():
+            pass
+
+    def straight() -> None:
+        straight_call(t, out)
+
+    def engine() -> None:
+        method(t, backend="mpi", **kwargs).wait()
+
+    # the calls give the same result
+    straight()
+    engine()
+    assert not t.any() and (out is None or not out.any())
+    iters = max(200, min(args.iters, args.iters * 4096 // max(4096, nbytes)))
+    lines = []
+    for run in range(args.runs):
+        for _ in range(max(100, iters // 10)):  # warm every path
+            raw()
+            straight()
+            engine()
+        pairs = [alternate(raw, straight, iters, sync), alternate(straight, engine, iters, sync),
+                 alternate(raw, engine, iters, sync)]
+        # each call's time on the slowest rank (the ranks make the calls in step)
+        (r1, s1), (s2, m2), (r3, m3) = [
+            tuple(np.max(raw_comm.allgather(np.array(x)), axis=0) for x in pair)
+            for pair in pairs]
+        us = 1e6
+        med = statistics.median
+        rw = med(np.concatenate([r1, r3])) * us
+        st = med(np.concatenate([s1, s2])) * us
+        mc = med(np.concatenate([m2, m3])) * us
+        # the differences from the pairs that hold both calls (each pair sees one machine)
+        d_sr = med(s1 - r1) * us
+        d_ms = med(m2 - s2) * us
+        d_mr = med(m3 - r3) * us
+
+        def verdict(raw_s: float, call_s: float) -> str:
+            return "ok" if meets_mpi_target(nbytes, raw_s, call_s) else "MISS"
+
+        lines.append(
+            f"{op:<14} {human(nbytes):>6} {run:>3} | {rw:7.2f} {st:8.2f} {mc:7.2f} | "
+            f"{d_sr:+14.2f} {d_ms:+16.2f} {d_mr:+11.2f} | {mpi_target(nbytes):>6} "
+            f"{verdict(med(r1), med(s1)):>8} {verdict(med(r3), med(m3)):>5}")
+    return lines
 
 
 if __name__ == "__main__":

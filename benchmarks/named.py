@@ -16,6 +16,15 @@ costs one or two small rounds whatever ``k`` is.
 Prints, per size and ``k``: the median step time divided by ``k`` (per operation) unnamed and
 named, their ratio, and the agreement rounds per named step (rank 0). Targets (from the
 issue): ratio <= 1.5 at 4 B with 64 in flight, <= 1.05 from 64 KiB on.
+
+In mode ``tasks`` two last columns time what any agreement adds to unnamed tasks, as ratios
+to plain unnamed ones (alternated the same way). A member can issue a named operation only
+once it knows that every member has submitted it, which the others do from tasks of their
+own. Either the task waits for that in a later step, after it yields to its loop (``a step
+more``: unnamed tasks that yield once between their submission and their await), or it
+learns it within its first step, by a round of its own (``a round each``: unnamed tasks that
+first run a raw mpi4py ``Allgather`` of 8 bytes, the least such a round costs). The lower of
+the two is a floor under the named ratio of that row for any way of agreeing.
 """
 
 from __future__ import annotations
@@ -59,6 +68,10 @@ def main() -> None:
         loop = uvloop.new_event_loop()
     else:
         loop = asyncio.new_event_loop()
+    from mpi4py import MPI
+
+    raw = MPI.COMM_WORLD.Dup()  # the rounds of column "a round each"
+    row, table = bytearray(8), bytearray(8 * comm.size)
     rows = []
     for size in sizes:
         for k in ks:
@@ -71,6 +84,21 @@ def main() -> None:
 
             async def step(named: bool) -> None:
                 await asyncio.gather(*(one(i, named) for i in range(k)))
+
+            async def one_step_more(i: int) -> None:
+                fut = comm.allreduce(bufs[i], backend=backend)
+                await asyncio.sleep(0)
+                await fut
+
+            async def step_more() -> None:
+                await asyncio.gather(*(one_step_more(i) for i in range(k)))
+
+            async def one_round_more(i: int) -> None:
+                raw.Allgather(row, table)  # the least an agreement of its own would cost
+                await comm.allreduce(bufs[i], backend=backend)
+
+            async def step_round() -> None:
+                await asyncio.gather(*(one_round_more(i) for i in range(k)))
 
             def loop_step(named: bool) -> None:
                 futs = [comm.allreduce(bufs[i], backend=backend,
@@ -93,19 +121,28 @@ def main() -> None:
                 a, b = alternate(unnamed, named, iters)
                 rounds = (comm._names.rounds - rounds0) / iters
                 ua, nb = statistics.median(a) / k, statistics.median(b) / k
-                rows.append((mode, size, k, ua, nb, rounds))
+                floors = None
+                if mode == "tasks":  # unnamed, with what any agreement adds (docstring)
+                    floors = []
+                    for extra in (step_more, step_round):
+                        more = lambda: loop.run_until_complete(extra())  # noqa: E731
+                        a2, b2 = alternate(unnamed, more, iters)
+                        floors.append(statistics.median(b2) / statistics.median(a2))
+                rows.append((mode, size, k, ua, nb, rounds, floors))
     rank = comm.rank
     size_w = comm.size
+    raw.Free()
     mcrdl.finalize()
     if rank:
         return
     print(f"# named vs unnamed allreduce on {backend}, {size_w} ranks, tasks on {args.loop}, "
           f"fusion {args.fusion} (median per operation, rank 0)")
     print(f"{'mode':<5} {'size':>6} {'in flight':>9} | {'unnamed µs':>10} {'named µs':>10} "
-          f"{'ratio':>6} {'rounds/step':>11}")
-    for mode, size, k, ua, nb, rounds in rows:
+          f"{'ratio':>6} {'rounds/step':>11} | {'a step more':>11} {'a round each':>12}")
+    for mode, size, k, ua, nb, rounds, floors in rows:
+        more, each = ("-", "-") if floors is None else (f"{f:.2f}" for f in floors)
         print(f"{mode:<5} {human(size):>6} {k:>9} | {ua * 1e6:10.2f} {nb * 1e6:10.2f} "
-              f"{nb / ua:6.2f} {rounds:11.2f}")
+              f"{nb / ua:6.2f} {rounds:11.2f} | {more:>11} {each:>12}")
 
 
 if __name__ == "__main__":

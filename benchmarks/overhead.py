@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mcrdl  # noqa: E402
-from common import alternate, host, human, parse_sizes  # noqa: E402
+from common import alternate, host, human, meets_mpi_target, parse_sizes  # noqa: E402
 
 OPS = ("allreduce", "alltoall", "allgather", "broadcast", "reduce_scatter")
 
@@ -331,13 +331,9 @@ class Bench:
 def mpi_verdict(nbytes: int, r: dict[str, float]) -> str:
     """The targets of mcrdl over mpi, `.wait()` (and `await` at <= 4 KiB) against raw nb:
     <= 4 KiB: + 4 µs (await + 6 µs); 16 KiB-256 KiB: + 5 µs; >= 1 MiB: 0.9x; >= 4 MiB: 0.95x."""
-    us = 1e6
+    ok = meets_mpi_target(nbytes, r["nb"], r["wait"])
     if nbytes <= 4096:
-        ok = (r["wait"] - r["nb"]) * us <= 4 and (r["await"] - r["await_nb"]) * us <= 6
-    elif nbytes < 1 << 20:
-        ok = (r["wait"] - r["nb"]) * us <= 5
-    else:
-        ok = r["nb"] / r["wait"] >= (0.95 if nbytes >= 4 << 20 else 0.9)
+        ok = ok and (r["await"] - r["await_nb"]) * 1e6 <= 6
     return "ok" if ok else "MISS"
 
 
