@@ -34,6 +34,7 @@ from ._errors import (
 )
 from ._observe import span
 from ._runtime import Runtime, current_runtime, finalize, init
+from ._taskcheck import TaskOrderWarning
 from ._types import DType, OpKind, ReduceOp
 from .engine import CommFuture, EngineStats
 
@@ -60,6 +61,7 @@ __all__ = [
     "Runtime",
     "RuntimeFinalizedError",
     "StartError",
+    "TaskOrderWarning",
     "UnknownBackendError",
     "UnsupportedOperationError",
     "current_runtime",

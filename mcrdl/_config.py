@@ -7,6 +7,7 @@
 | ``MCRDL_BACKENDS`` | ``backends`` | comma-separated backends to bring up (default: all that can run) |
 | ``MCRDL_TIMEOUT`` | ``timeout`` | seconds an issued operation may take; ``0`` or ``none``: no limit |
 | ``MCRDL_DEBUG`` | ``debug`` | ``1``: check every collective's fingerprint across its group |
+| ``MCRDL_CHECK_TASKS`` | ``check_tasks`` | ``1``: warn when two asyncio tasks have unnamed collectives unfinished on one communicator at once (``mcrdl._taskcheck``) |
 | ``MCRDL_TUNING`` | ``tuning`` | path of a tuning table for ``backend="auto"`` |
 | ``MCRDL_PROGRESS_THREAD`` | ``progress_thread`` | ``0``: no background progress thread |
 | ``MCRDL_FLIGHT_RECORDER`` | ``flight_recorder`` | where a timeout dumps the flight recorder: ``stderr`` or a path |
@@ -75,6 +76,7 @@ class Config:
     backends: tuple[str, ...] | None = None
     timeout: float | None = DEFAULT_TIMEOUT
     debug: bool = False
+    check_tasks: bool = False
     tuning: str | None = None
     progress_thread: bool = True
     flight_recorder: str = "stderr"
@@ -90,6 +92,7 @@ class Config:
         backends: Sequence[str] | str | None = None,
         timeout: float | None | str = "unset",
         debug: bool | None = None,
+        check_tasks: bool | None = None,
         tuning: str | None = None,
         progress_thread: bool | None = None,
         flight_recorder: str | None = None,
@@ -111,6 +114,8 @@ class Config:
             timeout = _seconds("timeout", timeout)
         if debug is None:
             debug = _flag("MCRDL_DEBUG", env.get("MCRDL_DEBUG", "0"))
+        if check_tasks is None:
+            check_tasks = _flag("MCRDL_CHECK_TASKS", env.get("MCRDL_CHECK_TASKS", "0"))
         if progress_thread is None:
             progress_thread = _flag(
                 "MCRDL_PROGRESS_THREAD", env.get("MCRDL_PROGRESS_THREAD", "1")
@@ -119,6 +124,7 @@ class Config:
             backends=tuple(backends) if backends is not None else None,
             timeout=timeout,
             debug=bool(debug),
+            check_tasks=bool(check_tasks),
             tuning=tuning if tuning is not None else env.get("MCRDL_TUNING") or None,
             progress_thread=bool(progress_thread),
             flight_recorder=flight_recorder or env.get("MCRDL_FLIGHT_RECORDER") or "stderr",

@@ -29,6 +29,7 @@ from ._errors import (
 )
 from ._notices import Notices
 from ._observe import Recorder, format_summary, summarize, trace_events
+from ._taskcheck import TaskCheck
 from ._select import DEFAULT_PREFERENCE, Selector, Slot
 from .backends import Backend, backend_class, known_backends
 from .backends._staging import StagedBackend
@@ -133,6 +134,8 @@ class Runtime:
         size = next(iter(worlds.values())).size
         extra = self._extra_groups(worlds, list(range(size)), "world")
         self.world = self._communicator("world", worlds, tuple(range(size)), *extra)
+        if config.check_tasks:
+            self.engine.observe(TaskCheck())
         #: The comms log and trace (`mcrdl._observe`), while either is on.
         self.recorder: Recorder | None = None
         if config.log or config.trace:
@@ -481,6 +484,7 @@ def init(
     backends: Sequence[str] | str | None = None,
     timeout: float | None | str = "unset",
     debug: bool | None = None,
+    check_tasks: bool | None = None,
     tuning: str | None = None,
     progress_thread: bool | None = None,
     flight_recorder: str | None = None,
@@ -503,6 +507,9 @@ def init(
         timeout: seconds an issued operation may take before it fails with
             CommTimeoutError; None for no limit.
         debug: check every collective's fingerprint across its group.
+        check_tasks: warn (`TaskOrderWarning`) when two asyncio tasks have unnamed
+            collectives unfinished on one communicator at once (`mcrdl._taskcheck`):
+            a cheap local check of the rule that debug mode checks across the ranks.
         tuning: a tuning table for ``backend="auto"``.
         progress_thread: run the background progress thread (default True).
         flight_recorder: where timeouts dump the flight recorder (``"stderr"`` or a path;
@@ -531,7 +538,8 @@ def init(
                 "mcrdl is initialized already; use the communicator init() returned, "
                 "or call mcrdl.finalize() first"
             )
-        config = Config.load(backends=backends, timeout=timeout, debug=debug, tuning=tuning,
+        config = Config.load(backends=backends, timeout=timeout, debug=debug,
+                             check_tasks=check_tasks, tuning=tuning,
                              progress_thread=progress_thread, flight_recorder=flight_recorder,
                              host=host, log=log, trace=trace, fusion_bytes=fusion_bytes)
         given = None

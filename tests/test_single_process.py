@@ -192,6 +192,9 @@ def test_config_from_environment_and_arguments():
         Config.load(environ={"MCRDL_TIMEOUT": "soon"})
     with pytest.raises(ValueError, match=r"^MCRDL_DEBUG='maybe' is not a boolean; use 1 or 0$"):
         Config.load(environ={"MCRDL_DEBUG": "maybe"})
+    assert not Config.load(environ={}).check_tasks
+    assert Config.load(environ={"MCRDL_CHECK_TASKS": "1"}).check_tasks
+    assert not Config.load(environ={"MCRDL_CHECK_TASKS": "1"}, check_tasks=False).check_tasks
     assert Config.load(environ={}).fusion_bytes == 1 << 20
     assert Config.load(environ={"MCRDL_FUSION_BYTES": "0"}).fusion_bytes == 0
     assert Config.load(environ={"MCRDL_FUSION_BYTES": "0"}, fusion_bytes=4096).fusion_bytes == 4096
@@ -200,6 +203,15 @@ def test_config_from_environment_and_arguments():
     with pytest.raises(ValueError, match=r"^fusion_bytes=-1 must be a non-negative number of "
                                          r"bytes \(0: off\)$"):
         Config.load(fusion_bytes=-1)
+
+
+def test_check_tasks_puts_the_task_check_on_the_engine():
+    from mcrdl._taskcheck import TaskCheck
+
+    for on in (False, True):
+        with mcrdl.init(check_tasks=on) as comm:
+            checks = [o for o in comm.runtime.engine._observers if isinstance(o, TaskCheck)]
+            assert len(checks) == on
 
 
 def test_import_initializes_nothing():
@@ -214,7 +226,8 @@ PUBLIC = [
     "CommClosedError",
     "CommFuture", "CommTimeoutError", "Communicator", "DType", "DependencyFailedError",
     "DesyncError", "EngineStats", "FutureCancelledError", "InvalidStateError", "MCRDLError",
-    "OpKind", "ReduceOp", "Runtime", "RuntimeFinalizedError", "StartError", "UnknownBackendError",
+    "OpKind", "ReduceOp", "Runtime", "RuntimeFinalizedError", "StartError", "TaskOrderWarning",
+    "UnknownBackendError",
     "UnsupportedOperationError", "current_runtime", "finalize", "init", "span",
 ]
 

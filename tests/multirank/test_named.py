@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -33,6 +34,47 @@ def _opposite_orders(comm, backend):
 def test_tasks_in_opposite_orders_get_their_own_sums(comm, backend):
     a, b = _opposite_orders(comm, backend)
     assert a.tolist() == [comm.size] * 4 and b.tolist() == [100.0 * comm.size] * 4
+
+
+def test_the_task_check_warns_of_unnamed_collectives_of_two_tasks_in_flight(comm):
+    """``init(check_tasks=True)``'s check, on the real backends: rank 0's two tasks each
+    submit an unnamed allreduce, and the second finds the first unfinished (the other ranks
+    wait at a gloo barrier that rank 0 enters only after both submitted), so rank 0 warns,
+    naming both tasks; with names, nothing warns."""
+    from mcrdl._taskcheck import TaskCheck
+
+    stop = comm.runtime.engine.observe(TaskCheck())
+
+    async def one(t, name):
+        fut = comm.allreduce(t, backend="mpi", name=name)
+        await asyncio.sleep(0)  # the other task submits meanwhile
+        return await fut
+
+    async def main(names):
+        if comm.rank != 0:
+            await comm.barrier(backend="gloo")
+        a = asyncio.create_task(one(torch.ones(4), names[0]), name="A")
+        b = asyncio.create_task(one(torch.full((4,), 100.0), names[1]), name="B")
+        await asyncio.sleep(0)  # both submit
+        if comm.rank == 0:
+            await comm.barrier(backend="gloo")
+        return await asyncio.gather(a, b)
+
+    try:
+        for names in ((None, None), ("a", "b")):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                a, b = asyncio.run(main(names))
+            assert a.tolist() == [comm.size] * 4 and b.tolist() == [100.0 * comm.size] * 4
+            texts = [str(w.message) for w in caught
+                     if issubclass(w.category, mcrdl.TaskOrderWarning)]
+            if names[0] is not None or comm.rank != 0:
+                assert len(texts) <= (names[0] is None), texts  # (elsewhere, timing decides)
+            else:
+                assert len(texts) == 1 and "allreduce from task 'B'" in texts[0] \
+                    and "from task 'A' is unfinished" in texts[0], texts
+    finally:
+        stop()
 
 
 def test_many_tasks_in_per_rank_orders_over_several_steps(comm):
