@@ -42,11 +42,11 @@ class TaskCheck:
     """An engine observer (``Engine.observe``) that warns as the module docstring says."""
 
     def __init__(self) -> None:
-        #: Per lane (a communicator's backend: what its collectives are paired on): its
-        #: unnamed collectives submitted from tasks and unfinished, each with its task (a
-        #: done-callback takes it out: nothing is kept alive).
-        self._pending: dict[Any, dict[CommFuture, asyncio.Task[Any]]] = {}
-        self._warned: set[Any] = set()
+        #: Per lane, by (communicator, backend) name (its collectives are paired on it; a
+        #: name keeps no object alive): its unnamed collectives submitted from tasks and
+        #: unfinished, each with its task (a done-callback takes it out).
+        self._pending: dict[tuple[str, str], dict[CommFuture, asyncio.Task[Any]]] = {}
+        self._warned: set[tuple[str, str]] = set()
 
     def __call__(self, fut: CommFuture, after: tuple[CommFuture, ...]) -> None:
         if fut.name is not None or fut.kind not in _KINDS:
@@ -58,21 +58,21 @@ class TaskCheck:
         if task is None:
             return
         lane = fut.lane
-        pending = self._pending.setdefault(lane, {})
-        if lane not in self._warned:
+        key = (lane.comm.name, lane.backend_name)
+        pending = self._pending.setdefault(key, {})
+        if key not in self._warned:
             # (a snapshot: done-callbacks may run in the progress thread meanwhile)
             for other, other_task in list(pending.items()):
                 if other_task is not task:
-                    self._warned.add(lane)
+                    self._warned.add(key)
                     warnings.warn(TaskOrderWarning(
                         f"{fut.kind} from task {task.get_name()!r} reaches communicator "
                         f"{lane.comm.name} on {lane.backend_name} while {other.kind} from task "
                         f"{other_task.get_name()!r} is unfinished there, both without a name: "
-                        f"concurrent tasks reach a "
-                        f"communicator in an order that timing decides, which may differ "
-                        f"between ranks, and collectives are paired by that order. Pass name= "
-                        f"to both (matched by name across the ranks), or submit them from one "
-                        f"task"), stacklevel=_caller_level())
+                        f"concurrent tasks reach a communicator in an order that timing "
+                        f"decides, which may differ between ranks, and collectives are paired "
+                        f"by that order. Pass name= to both (matched by name across the "
+                        f"ranks), or submit them from one task"), stacklevel=_caller_level())
                     break
         pending[fut] = task
         fut.add_done_callback(lambda f: pending.pop(f, None))
