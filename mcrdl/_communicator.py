@@ -84,6 +84,8 @@ class Communicator:
                  named: dict[str, Slot] | None = None) -> None:
         self._runtime = runtime
         self._debug = debug
+        #: The task check (`mcrdl._taskcheck`), or None.
+        self._task_check = runtime.task_check
         self._named = named or {}
         self._cseq = 0  # collectives submitted (debug mode's fingerprint sequence)
         self._engine = runtime.engine
@@ -221,7 +223,10 @@ class Communicator:
         fut.device = device
         if self._debug is not None and kind in COLLECTIVES:
             after = self._checked(kind, None if route else slot.backend.name, args, after)
-        return self._engine.submit(fut, after, route)
+        self._engine.submit(fut, after, route)
+        if self._task_check is not None:  # (after the submission: its warning may raise)
+            self._task_check(fut)
+        return fut
 
     def _device_of(self, args: tuple[Any, ...]) -> Any:
         """The `Device` the operation's buffers are on (None: host memory; ``_out`` made sure

@@ -130,12 +130,12 @@ class Runtime:
         if notices is None and bootstrap is not None and bootstrap.size > 1:
             self.notices = Notices(bootstrap.store(), bootstrap.rank, self.engine)
         self._comms: list[Communicator] = []
+        #: The task check every communicator calls after a submission (None: off).
+        self.task_check = TaskCheck() if config.check_tasks else None
         worlds = {name: b.world() for name, b in self._backends.items()}
         size = next(iter(worlds.values())).size
         extra = self._extra_groups(worlds, list(range(size)), "world")
         self.world = self._communicator("world", worlds, tuple(range(size)), *extra)
-        if config.check_tasks:
-            self.engine.observe(TaskCheck())
         #: The comms log and trace (`mcrdl._observe`), while either is on.
         self.recorder: Recorder | None = None
         if config.log or config.trace:

@@ -205,13 +205,14 @@ def test_config_from_environment_and_arguments():
         Config.load(fusion_bytes=-1)
 
 
-def test_check_tasks_puts_the_task_check_on_the_engine():
+def test_check_tasks_gives_every_communicator_the_task_check():
     from mcrdl._taskcheck import TaskCheck
 
     for on in (False, True):
         with mcrdl.init(check_tasks=on) as comm:
-            checks = [o for o in comm.runtime.engine._observers if isinstance(o, TaskCheck)]
-            assert len(checks) == on
+            check = comm.runtime.task_check
+            assert isinstance(check, TaskCheck) if on else check is None
+            assert comm._task_check is check and comm.split(0)._task_check is check
 
 
 def test_import_initializes_nothing():

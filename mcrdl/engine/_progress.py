@@ -383,7 +383,7 @@ class Engine:
         issued (its descriptor complete); returns a function that stops the calls.
 
         Observers run in the submitting thread, without the engine's lock; they must not
-        submit operations (they may add done-callbacks to ``fut``).
+        submit operations.
         """
         with self._lock:
             self._observers = [*self._observers, fn]
@@ -417,10 +417,10 @@ class Engine:
         """
         if after:
             after = self._check_after(after)
-        fut._engine = self  # (an observer may add a done-callback)
         if self._observers:
             for observer in self._observers:
                 observer(fut, after)  # type: ignore[arg-type]
+        fut._engine = self
         profiler = self.torch_profiler
         if profiler is not None and profiler._is_profiler_enabled:
             _profile(profiler, fut)

@@ -1,5 +1,5 @@
 """The task check (``init(check_tasks=True)``): a warning when two asyncio tasks have unnamed
-collectives unfinished on one communicator at once, and none otherwise."""
+collectives unfinished on one communicator and backend at once, and none otherwise."""
 
 from __future__ import annotations
 
@@ -15,10 +15,8 @@ from tests.engine.support import finish, submit
 
 
 @pytest.fixture
-def checked(engine):
-    stop = engine.observe(TaskCheck())
-    yield engine
-    stop()
+def check():
+    return TaskCheck()
 
 
 def run_tasks(*steps):
@@ -33,13 +31,13 @@ def run_tasks(*steps):
     return [w for w in caught if issubclass(w.category, TaskOrderWarning)]
 
 
-def test_two_tasks_with_unnamed_collectives_unfinished_at_once_warn(checked, mpi):
+def test_two_tasks_with_unnamed_collectives_unfinished_at_once_warn(engine, mpi, check):
     async def first():
-        submit(checked, mpi, "allreduce")
+        check(submit(engine, mpi, "allreduce"))
         await asyncio.sleep(0)  # the other task submits while this one's is unfinished
 
     async def second():
-        submit(checked, mpi, "allreduce")
+        check(submit(engine, mpi, "allreduce"))
 
     caught = run_tasks(first, second)
     assert len(caught) == 1
@@ -47,72 +45,97 @@ def test_two_tasks_with_unnamed_collectives_unfinished_at_once_warn(checked, mpi
     assert "allreduce from task 't1' reaches communicator world on mpi while allreduce from " \
            "task 't0' is unfinished there" in text
     assert "Pass name= to both" in text
-    assert caught[0].filename.endswith("support.py")  # the submitting call, not mcrdl's
+    assert caught[0].filename == __file__  # the line that submitted, not mcrdl's
 
 
 def test_one_task_a_finished_collective_other_lanes_names_and_no_task_do_not(
-        checked, mpi, gloo):
+        engine, mpi, gloo, check):
     async def one_task():  # several unfinished at once, all from one task
-        submit(checked, mpi, "allreduce")
-        submit(checked, mpi, "alltoall")
+        check(submit(engine, mpi, "allreduce"))
+        check(submit(engine, mpi, "alltoall"))
 
     assert run_tasks(one_task) == []
     for i in range(len(mpi.started)):
-        finish(checked, mpi, i)
+        finish(engine, mpi, i)
     n = len(mpi.started)
 
     async def finishes_first():
-        submit(checked, mpi, "allreduce")
-        finish(checked, mpi, n)
+        check(submit(engine, mpi, "allreduce"))
+        finish(engine, mpi, n)
         await asyncio.sleep(0)
 
     async def after_it():
-        submit(checked, mpi, "allreduce")
+        check(submit(engine, mpi, "allreduce"))
 
     assert run_tasks(finishes_first, after_it) == []
-    finish(checked, mpi, n + 1)
+    finish(engine, mpi, n + 1)
 
     async def here():
-        submit(checked, mpi, "allreduce", comm="a")
+        check(submit(engine, mpi, "allreduce", comm="a"))
         await asyncio.sleep(0)
 
     async def elsewhere():
-        submit(checked, mpi, "allreduce", comm="b")
-
-    assert run_tasks(here, elsewhere) == []
+        check(submit(engine, mpi, "allreduce", comm="b"))
 
     async def other_backend():  # a lane of its own on the same communicator
-        submit(checked, gloo, "allreduce", comm="a")
+        check(submit(engine, gloo, "allreduce", comm="a"))
 
-    assert run_tasks(other_backend) == []
+    assert run_tasks(here, elsewhere, other_backend) == []
 
     async def named():  # matched by name: no order to get wrong
         group = mpi.world()
-        lane = checked.lane(mpi, group, checked.comm("a", group.rank, group.size))
+        lane = engine.lane(mpi, group, engine.comm("a", group.rank, group.size))
         fut = CommFuture("allreduce", lane, 99, mpi.start_allreduce, ("allreduce",), (), (),
                          None, 0)
         fut.name = "grad"
-        checked._observers[0](fut, ())
+        check(fut)
 
     async def sends():  # point-to-point is matched by peer and tag
-        submit(checked, mpi, "send", comm="a")
+        check(submit(engine, mpi, "send", comm="a"))
 
     assert run_tasks(named, sends) == []
-    submit(checked, mpi, "allreduce", comm="a")  # outside any task
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        submit(checked, mpi, "allreduce", comm="a")
+        check(submit(engine, mpi, "allreduce", comm="a"))  # outside any task
 
 
-def test_once_per_communicator(checked, mpi):
+def test_once_per_lane(engine, mpi, check):
     async def first():
-        submit(checked, mpi, "allreduce")
-        submit(checked, mpi, "allreduce")
+        check(submit(engine, mpi, "allreduce"))
+        check(submit(engine, mpi, "allreduce"))
         await asyncio.sleep(0)
 
     async def second():
-        submit(checked, mpi, "allgather")
-        submit(checked, mpi, "allreduce")
+        check(submit(engine, mpi, "allgather"))
+        check(submit(engine, mpi, "allreduce"))
 
     assert len(run_tasks(first, second)) == 1
-    assert len(run_tasks(first, second)) == 0  # warned about this communicator already
+    assert len(run_tasks(first, second)) == 0  # warned about this lane already
+
+
+def test_a_warning_made_an_error_leaves_the_operation_submitted(engine, mpi, check):
+    """The check runs after the submission: under a filter that makes its warning an error,
+    the caller gets the error and the operation is in the engine (its peers match it)."""
+    futs = []
+
+    async def first():
+        futs.append(submit(engine, mpi, "allreduce"))
+        check(futs[-1])
+        await asyncio.sleep(0)
+
+    async def second():
+        futs.append(submit(engine, mpi, "allreduce"))
+        with pytest.raises(TaskOrderWarning):
+            check(futs[-1])
+
+    async def main():
+        await asyncio.gather(asyncio.create_task(first()), asyncio.create_task(second()))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        asyncio.run(main())
+    assert all(f.state in ("PENDING", "ISSUED") for f in futs)
+    for i in range(2):
+        finish(engine, mpi, i)
+        engine.poll_once()
+    assert [f.state for f in futs] == ["DONE", "DONE"]
