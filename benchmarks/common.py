@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -122,3 +123,39 @@ def meets_mpi_target(nbytes: int, raw_s: float, call_s: float) -> bool:
     if target.endswith("us"):
         return (call_s - raw_s) * 1e6 <= float(target[1:-2])
     return raw_s / call_s >= float(target[:-1])
+
+
+def op_buffers(op: str, nbytes: int, n: int) -> tuple[Any, Any]:
+    """``op``'s input tensor of about ``nbytes`` and its output (every rank's share whole), for
+    a communicator of ``n`` ranks. Inputs of sums are zeros: they stay finite however often
+    they run."""
+    import torch
+
+    elems = max(1, nbytes // 4)
+    if op in ("alltoall", "reduce_scatter"):
+        elems = max(n, elems // n * n)
+    t = torch.ones(elems, dtype=torch.float32)
+    if op in ("allreduce", "reduce_scatter"):
+        t.zero_()
+    out_elems = {"allgather": elems * n, "reduce_scatter": elems // n}.get(op, elems)
+    return t, torch.empty(out_elems, dtype=torch.float32)
+
+
+def raw_nonblocking(MPI: Any, comm: Any, op: str, t: Any, out: Any) -> Callable[[], None]:  # noqa: N803
+    """raw nb: mpi4py's nonblocking ``op`` on ``comm``, on numpy views of ``t`` and ``out``
+    made once, then its ``Test`` loop (the floor of any nonblocking engine)."""
+    a, o, in_place = t.numpy(), out.numpy(), MPI.IN_PLACE
+    start = {
+        "allreduce": lambda: comm.Iallreduce(in_place, a),
+        "alltoall": lambda: comm.Ialltoall(a, o),
+        "allgather": lambda: comm.Iallgather(a, o),
+        "broadcast": lambda: comm.Ibcast(a, 0),
+        "reduce_scatter": lambda: comm.Ireduce_scatter_block(a, o),
+    }[op]
+
+    def call() -> None:
+        req = start()
+        while not req.Test():
+            pass
+
+    return call

@@ -50,7 +50,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mcrdl  # noqa: E402
-from common import alternate, host, human, meets_mpi_target, mpi_target, parse_sizes  # noqa: E402
+from common import (  # noqa: E402
+    alternate,
+    host,
+    human,
+    meets_mpi_target,
+    mpi_target,
+    op_buffers,
+    parse_sizes,
+    raw_nonblocking,
+)
 from mcrdl import ReduceOp  # noqa: E402
 
 
@@ -219,29 +228,12 @@ def main() -> None:
 
 def _point(op, nbytes, n, args, comm, raw_comm, MPI, straight_call, sync) -> list[str]:  # noqa: N803
     """``args.runs`` rows for ``op`` at ``nbytes`` (printed on rank 0)."""
-    # zeros: sums, exchanges and copies of zeros leave zeros over any number of ranks
-    elems = max(1, nbytes // 4)
-    if op in ("alltoall", "reduce_scatter"):
-        elems = max(n, elems // n * n)
-    t = torch.zeros(elems)
-    out = {"alltoall": torch.zeros(elems), "allgather": torch.zeros(elems * n),
-           "reduce_scatter": torch.zeros(elems // n)}.get(op)
-    a, o = t.numpy(), None if out is None else out.numpy()
-    c, in_place = raw_comm, MPI.IN_PLACE
-    start = {
-        "allreduce": lambda: c.Iallreduce(in_place, a),
-        "alltoall": lambda: c.Ialltoall(a, o),
-        "allgather": lambda: c.Iallgather(a, o),
-        "broadcast": lambda: c.Ibcast(a, 0),
-        "reduce_scatter": lambda: c.Ireduce_scatter_block(a, o),
-    }[op]
+    t, out = op_buffers(op, nbytes, n)
+    raw = raw_nonblocking(MPI, raw_comm, op, t, out)
     method = getattr(comm, op)
-    kwargs = {} if out is None else {"out": out}
-
-    def raw() -> None:
-        req = start()
-        while not req.Test():
-            pass
+    in_place = op in ("allreduce", "broadcast")  # (out is then unused, and unwritten)
+    kwargs = {} if in_place else {"out": out}
+    results = (t,) if in_place else (t, out)
 
     def straight() -> None:
         straight_call(t, out)
@@ -250,9 +242,11 @@ def _point(op, nbytes, n, args, comm, raw_comm, MPI, straight_call, sync) -> lis
         method(t, backend="mpi", **kwargs).wait()
 
     # the calls give the same result
-    straight()
-    engine()
-    assert not t.any() and (out is None or not out.any())
+    raw()
+    expected = [r.clone() for r in results]
+    for call in (straight, engine):
+        call()
+        assert all(map(torch.equal, results, expected)), f"{op}: {call.__name__}"
     iters = max(200, min(args.iters, args.iters * 4096 // max(4096, nbytes)))
     lines = []
     for run in range(args.runs):

@@ -36,7 +36,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mcrdl  # noqa: E402
-from common import alternate, host, human, meets_mpi_target, parse_sizes  # noqa: E402
+from common import (  # noqa: E402
+    alternate,
+    host,
+    human,
+    meets_mpi_target,
+    op_buffers,
+    parse_sizes,
+    raw_nonblocking,
+)
 
 OPS = ("allreduce", "alltoall", "allgather", "broadcast", "reduce_scatter")
 
@@ -108,22 +116,7 @@ class Bench:
         }[op]
 
     def raw_mpi_nonblocking(self, op: str, t: torch.Tensor, out: torch.Tensor, c=None):
-        a, o, IN_PLACE = t.numpy(), out.numpy(), self.MPI.IN_PLACE
-        c = self.raw_mpi if c is None else c
-        start = {
-            "allreduce": lambda: c.Iallreduce(IN_PLACE, a),
-            "alltoall": lambda: c.Ialltoall(a, o),
-            "allgather": lambda: c.Iallgather(a, o),
-            "broadcast": lambda: c.Ibcast(a, 0),
-            "reduce_scatter": lambda: c.Ireduce_scatter_block(a, o),
-        }[op]
-
-        def call() -> None:
-            req = start()
-            while not req.Test():
-                pass
-
-        return call
+        return raw_nonblocking(self.MPI, self.raw_mpi if c is None else c, op, t, out)
 
     def raw_gloo_call(self, op: str, t: torch.Tensor, out: torch.Tensor):
         d = self.dist
@@ -224,17 +217,8 @@ class Bench:
         return self._pair(a, b, iters)
 
     def buffers(self, op: str, nbytes: int, n: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """``op``'s input of about ``nbytes`` and its output (every rank's share whole), for a
-        communicator of ``n`` ranks (default: the world)."""
-        n = n or self.n
-        elems = max(1, nbytes // 4)
-        if op in ("alltoall", "reduce_scatter"):
-            elems = max(n, elems // n * n)
-        t = torch.ones(elems, dtype=torch.float32)
-        if op in ("allreduce", "reduce_scatter"):
-            t.zero_()  # sums of zeros stay finite however often they run
-        out_elems = {"allgather": elems * n, "reduce_scatter": elems // n}.get(op, elems)
-        return t, torch.empty(out_elems, dtype=torch.float32)
+        """``common.op_buffers`` for a communicator of ``n`` ranks (default: the world)."""
+        return op_buffers(op, nbytes, n or self.n)
 
     def mpi_point(self, op: str, nbytes: int, scale: float, barrier: bool) -> dict[str, float]:
         """mcrdl over mpi against raw nb (Ixxx + Test loop), and raw blocking against it."""
