@@ -82,23 +82,21 @@ def main() -> None:
                 await comm.allreduce(bufs[i], backend=backend,
                                      name=names[i] if named else None)
 
-            async def step(named: bool) -> None:
-                await asyncio.gather(*(one(i, named) for i in range(k)))
-
             async def one_step_more(i: int) -> None:
                 fut = comm.allreduce(bufs[i], backend=backend)
                 await asyncio.sleep(0)
                 await fut
 
-            async def step_more() -> None:
-                await asyncio.gather(*(one_step_more(i) for i in range(k)))
-
             async def one_round_more(i: int) -> None:
                 raw.Allgather(row, table)  # the least an agreement of its own would cost
                 await comm.allreduce(bufs[i], backend=backend)
 
-            async def step_round() -> None:
-                await asyncio.gather(*(one_round_more(i) for i in range(k)))
+            def tasks(body):
+                """A step of mode tasks: ``body(i)`` as a task of its own for each i."""
+                async def step() -> None:
+                    await asyncio.gather(*(body(i) for i in range(k)))
+
+                return lambda: loop.run_until_complete(step())
 
             def loop_step(named: bool) -> None:
                 futs = [comm.allreduce(bufs[i], backend=backend,
@@ -107,8 +105,7 @@ def main() -> None:
                     fut.wait()
 
             modes = {
-                "tasks": (lambda: loop.run_until_complete(step(False)),
-                          lambda: loop.run_until_complete(step(True))),
+                "tasks": (tasks(lambda i: one(i, False)), tasks(lambda i: one(i, True))),
                 "loop": (lambda: loop_step(False), lambda: loop_step(True)),
             }
             for mode, (unnamed, named) in modes.items():
@@ -124,9 +121,8 @@ def main() -> None:
                 floors = None
                 if mode == "tasks":  # unnamed, with what any agreement adds (docstring)
                     floors = []
-                    for extra in (step_more, step_round):
-                        more = lambda: loop.run_until_complete(extra())  # noqa: E731
-                        a2, b2 = alternate(unnamed, more, iters)
+                    for body in (one_step_more, one_round_more):
+                        a2, b2 = alternate(unnamed, tasks(body), iters)
                         floors.append(statistics.median(b2) / statistics.median(a2))
                 rows.append((mode, size, k, ua, nb, rounds, floors))
     rank = comm.rank
