@@ -48,8 +48,8 @@ class TaskOrderWarning(UserWarning):
 
 
 class TaskCheck:
-    """Called with every operation a communicator submitted; warns as the module docstring
-    says."""
+    """Called with every operation a communicator submitted without a name (a named one is
+    matched by its name, and never comes here); warns as the module docstring says."""
 
     def __init__(self) -> None:
         #: Per lane, by (communicator, backend) name (its collectives are paired on it): its
@@ -59,7 +59,7 @@ class TaskCheck:
         self._warned: set[tuple[str, str]] = set()
 
     def __call__(self, fut: CommFuture) -> None:
-        if fut.name is not None or fut.kind not in _KINDS:
+        if fut.kind not in _KINDS:
             return
         try:
             task = asyncio.current_task()
