@@ -44,7 +44,7 @@ from common import alternate, human, parse_sizes  # noqa: E402
 
 
 def _steps(size: int, k: int) -> int:
-    return max(8, min(400, (64 << 20) // max(1, size * k * 8)))
+    return max(40, min(400, (64 << 20) // max(1, size * k * 8)))
 
 
 def main() -> None:

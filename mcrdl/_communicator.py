@@ -288,8 +288,13 @@ class Communicator:
         the same shapes every iteration and the text costs a few µs to make. ``on_device``
         (the operation's ``device`` is set) is part of it: fusion reads it, and every member
         must fuse alike (`mcrdl.engine._fusion`)."""
-        key = (kind, backend, on_device, *[(a.dtype, a.obj.shape) if type(a) is Buffer else a
-                                           for a in args[1:]])
+        parts = [kind, backend, on_device]
+        for a in args[1:]:  # (a loop: a comprehension's frame cost more than the rest)
+            if type(a) is Buffer:
+                parts.append((a.dtype, a.obj.shape))
+            else:
+                parts.append(a)
+        key = tuple(parts)
         sig = self._sigs.get(key)
         if sig is None:
             if len(self._sigs) >= 4096:  # (alltoallv's counts vary: never grow unbounded)

@@ -45,10 +45,10 @@ def fuse(futs: list[CommFuture], limit: int) -> None:
     placed yet), in groups of at most ``limit`` bytes; the others are left as they are."""
     groups: dict[tuple[Any, ...], list[CommFuture]] = {}
     for fut in futs:
-        if fut.kind == "allreduce" and fut.device is None:
+        # (an allreduce's nbytes are its buffer's: the size test first, the cheapest refusal)
+        if 0 < fut.nbytes <= FUSE_OP_BYTES and fut.kind == "allreduce" and fut.device is None:
             _, buf, op = fut.args  # type: ignore[misc]  # (group, buf, op) until issued
-            if 0 < buf.nbytes <= FUSE_OP_BYTES:
-                groups.setdefault((fut.lane, buf.dtype, op), []).append(fut)
+            groups.setdefault((fut.lane, buf.dtype, op), []).append(fut)
     for group in groups.values():
         batch: list[CommFuture] = []
         total = 0
