@@ -103,7 +103,8 @@ class Runtime:
                 for name, b in self._backends.items()
             }
         self.engine = engine or Engine(
-            policy=PollPolicy(oversubscribed=_oversubscribed(bootstrap)),
+            policy=PollPolicy(oversubscribed=_oversubscribed(bootstrap),
+                              background_nap_max=_background_nap_max(bootstrap)),
             background=config.progress_thread,
             timeout=config.timeout,
             on_timeout=self._dump_flight_record,
@@ -477,6 +478,17 @@ def _cuda_devices(known: Mapping[str, Any]) -> dict[str, Any]:
 def _oversubscribed(bootstrap: Bootstrap | None) -> bool:
     """More ranks on this host than it has cores: waiters must never spin."""
     return bootstrap is not None and bootstrap.local_size > (os.cpu_count() or 1)
+
+
+#: The background thread's longest nap where the ranks fill the cores (docs/performance.md).
+_FULL_NODE_NAP = 4e-3
+
+
+def _background_nap_max(bootstrap: Bootstrap | None) -> float:
+    """The background thread's longest nap (`PollPolicy.background_nap_max`): 4 ms where the
+    ranks fill this host's cores, so that it has no core of its own; else its default."""
+    full = bootstrap is not None and bootstrap.local_size >= (os.cpu_count() or 1)
+    return _FULL_NODE_NAP if full else PollPolicy.background_nap_max
 
 
 def init(

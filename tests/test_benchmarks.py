@@ -19,3 +19,16 @@ def test_floor_benchmark_prints_its_rows():
     rows = re.findall(r"^\w+\s+\w+\s+\d \|\s+([\d.]+)\s+([\d.]+)\s+([\d.]+) \|", proc.stdout, re.M)
     assert len(rows) == 5, proc.stdout
     assert all(float(x) > 0 for row in rows for x in row)
+
+
+def test_thread_naps_benchmark_prints_its_rows():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/thread_naps.py", "--rounds", "1", "--reps", "1",
+         "--cases", "one,64 x 4 B,then"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = re.findall(r"^(.+?)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", proc.stdout, re.M)
+    assert [r[0] for r in rows] == ["one 4 B allreduce at a time, per op", "64 x 4 B, per op",
+                                    "then 1 MiB over 2 ms of compute"], proc.stdout
+    assert all(float(x) > 0 for row in rows for x in row[1:])

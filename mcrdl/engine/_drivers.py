@@ -7,7 +7,8 @@ Three drivers share the engine:
 - a coroutine that awaits (``await fut``) polls from the running event loop, giving the loop
   back between polls with a bare ``yield`` (one loop iteration, no thread hop);
 - a background thread polls only while nobody else does, so that communication advances
-  while the caller computes; it parks whenever a waiter drives or nothing is in flight.
+  while the caller computes; it parks whenever a waiter drives or nothing is in flight
+  (where the ranks fill the node's cores, longer each time it finds nothing to poll).
 
 Idling is adaptive, because on 2 cores spinning starves gloo's own threads (0.2 ms becomes
 2 ms) and oversubscribed MPI ranks (4.5 ms per op instead of ~20 µs): spin a few polls only
@@ -88,6 +89,16 @@ class PollPolicy:
         sleep_max: ...but never longer than this (seconds).
         background_min, background_max: the background thread's poll interval bounds; it
             doubles while nothing finishes and resets when something does.
+        background_nap_max: the longest nap of the background thread while it finds
+            nothing to poll (no work in flight, or a caller that drives or keeps submitting).
+            Each such nap doubles the next, from ``background_max``; a poll, a handed-over
+            wait or a wake from its deep sleep resets it. Equal to ``background_max`` (the
+            default): the thread looks every ``background_max``. The runtime raises it to
+            4 ms where the ranks fill the node's cores: each wake there takes a rank's core
+            and its GIL (~40-70 µs of the caller's time, about one per millisecond of a busy
+            caller), and polls during compute only move MPI's CPU work onto the compute's
+            own core. The price is a slower start of the polling once a busy caller turns
+            to compute with work in flight (docs/performance.md has both sides).
         deep_idle: seconds without work after which the background thread sleeps until a
             submission wakes it (before that it naps ``background_max`` at a time).
         oversubscribed: more ranks than cores on this node: never spin; and a waiter for an
@@ -106,6 +117,7 @@ class PollPolicy:
     sleep_max: float = 1e-3
     background_min: float = 20e-6
     background_max: float = 1e-3
+    background_nap_max: float = 1e-3
     deep_idle: float = 0.1
     oversubscribed: bool = False
     give_way_seconds: float = 50e-6
@@ -351,9 +363,10 @@ class ProgressThread:
     """Polls the engine while work is in flight and no waiter drives it.
 
     Waking a thread costs its waker a GIL hand-off later, so submissions do not wake it: a
-    recently active thread naps ``background_max`` at a time and finds new work by itself;
-    only after ``deep_idle`` seconds without work does it sleep until a submission wakes it
-    (``deep``). An awaiting coroutine that hands its wait over wakes it at once.
+    recently active thread naps (``background_max``, doubling up to ``background_nap_max``
+    while it finds nothing to poll) and finds new work by itself; only after ``deep_idle``
+    seconds without work does it sleep until a submission wakes it (``deep``). An awaiting
+    coroutine that hands its wait over wakes it at once.
 
     Invariants:
     - ``parked`` is True only while the thread is blocked (or about to block) on ``_wake``;
@@ -375,6 +388,7 @@ class ProgressThread:
         #: A lone operation an awaiting coroutine handed over: block in its backend for it.
         self.lone: CommFuture | None = None
         self._interval = 0.0
+        self._nap = 0.0  # how long the next park for lack of anything to poll lasts
         self._idle_since = 0.0
 
     def wake(self) -> None:
@@ -415,10 +429,18 @@ class ProgressThread:
         self._wake.acquire(True, timeout)
         self.parked = self.deep = False
 
+    def _doze(self, policy: PollPolicy, *, for_work: bool = False) -> None:
+        """Park for lack of anything to poll, for the current nap; the next lasts twice as
+        long, up to ``background_nap_max`` (a thread that keeps finding nothing to do wakes,
+        and takes the GIL from the caller, less often)."""
+        self._park(self._nap, for_work=for_work)
+        self._nap = min(2 * self._nap, policy.background_nap_max)
+
     def _run(self) -> None:
         engine = self._engine
         policy = engine.policy
         self._interval = policy.background_min
+        self._nap = policy.background_max
         self._idle_since = _clock()
         while not self._stop:
             try:
@@ -434,6 +456,7 @@ class ProgressThread:
         lone = self.lone
         if lone is not None:
             self.lone = None
+            self._nap = policy.background_max
             if not engine.drivers:
                 _block(engine, lone, None)
             return
@@ -441,8 +464,9 @@ class ProgressThread:
             if _clock() - self._idle_since > policy.deep_idle:
                 self._park(-1, for_work=True)
                 self._idle_since = _clock()
+                self._nap = policy.background_max
             else:
-                self._park(policy.background_max, for_work=True)
+                self._doze(policy, for_work=True)
             self._interval = policy.background_min
             return
         self._idle_since = _clock()
@@ -450,8 +474,9 @@ class ProgressThread:
             # A waiter drives, or the caller is busy submitting and waiting: polling now
             # would only fight it for the GIL and the lock (10,000 operations in flight
             # cost 15 µs each instead of 8 with the thread polling between the waits).
-            self._park(policy.background_max)
+            self._doze(policy)
             return
+        self._nap = policy.background_max
         if engine.poll_once() or engine.needs_polls():
             self._interval = policy.background_min
         else:

@@ -328,6 +328,77 @@ def test_the_background_thread_checks_deadlines_while_mpi_work_is_in_flight(cloc
         engine.close("test over")
 
 
+def _naps(policy, clock, mpi):
+    """The background thread's parks, turn by turn (its ``_step`` called here, without the
+    thread): while a waiter drives, once the caller is quiet with work in flight (a poll),
+    while it drives again, and with nothing in flight."""
+    from mcrdl.engine import PollPolicy
+    from mcrdl.engine._drivers import ProgressThread
+
+    engine = Engine(background=False, clock=clock, policy=policy or PollPolicy())
+    thread = ProgressThread(engine)
+    parks: list[float] = []
+    thread._park = lambda timeout, *, for_work=False: parks.append(timeout)  # type: ignore[method-assign]
+    thread._nap = engine.policy.background_max  # (as its run starts)
+    thread._interval = engine.policy.background_min
+    turns = []
+
+    def turns_of(n):
+        parks.clear()
+        for _ in range(n):
+            thread._step(engine, engine.policy)
+        turns.append(list(parks))
+
+    fut = submit(engine, mpi, "allreduce")
+    engine.drivers = 1
+    turns_of(4)
+    engine.drivers = 0
+    clock.now += 1.0  # the caller's last activity is long past: the thread polls
+    turns_of(1)
+    engine.drivers = 1
+    turns_of(2)
+    engine.drivers = 0
+    mpi.finish(mpi.started[-1])
+    engine.poll_once()
+    assert fut.done()
+    thread._idle_since = float("inf")  # (not idle long enough to sleep deep)
+    turns_of(3)
+    return turns
+
+
+def test_the_background_thread_naps_longer_while_it_finds_nothing_to_poll(clock, mpi):
+    """With ``background_nap_max`` above ``background_max`` (the runtime's choice where the
+    ranks fill the cores), each turn that finds nothing to poll doubles the next nap up to
+    the maximum; a poll resets it. By default it naps ``background_max`` every turn."""
+    from mcrdl.engine import PollPolicy
+
+    ms = 1e-3
+    assert _naps(PollPolicy(background_nap_max=4 * ms), clock, mpi) == [
+        [ms, 2 * ms, 4 * ms, 4 * ms],  # a waiter drives
+        [],  # quiet caller, work in flight: it polls (and naps background_min, unparked)
+        [ms, 2 * ms],  # driven again: from background_max
+        [4 * ms, 4 * ms, 4 * ms],  # nothing in flight: it keeps doubling (capped)
+    ]
+    assert _naps(None, clock, mpi) == [[ms] * 4, [], [ms] * 2, [ms] * 3]
+
+
+def test_the_runtime_lets_the_thread_nap_longer_where_the_ranks_fill_the_cores():
+    import os
+    from types import SimpleNamespace
+
+    from mcrdl._runtime import _background_nap_max
+    from mcrdl.engine import PollPolicy
+
+    cores = os.cpu_count() or 1
+    assert _background_nap_max(SimpleNamespace(local_size=cores)) == 4e-3
+    assert _background_nap_max(SimpleNamespace(local_size=cores + 2)) == 4e-3
+    if cores > 1:
+        assert _background_nap_max(SimpleNamespace(local_size=cores - 1)) == (
+            PollPolicy.background_nap_max)
+    assert _background_nap_max(None) == PollPolicy.background_nap_max == (
+        PollPolicy.background_max)
+
+
 def test_the_background_thread_outlives_a_failure_and_a_raising_callback(mpi, caplog):
     """A callback that raises, or a backend failing in an unexpected way, must not end the
     thread: an await handed over to it would never resolve."""
