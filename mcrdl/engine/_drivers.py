@@ -92,7 +92,7 @@ class PollPolicy:
         background_nap_max: the longest nap of the background thread while it finds
             nothing to poll (no work in flight, or a caller that drives or keeps submitting).
             Each such nap doubles the next, from ``background_max``; a poll, a handed-over
-            wait or a wake from its deep sleep resets it. Equal to ``background_max`` (the
+            wait or any ``wake()`` (a submission that finds it asleep) resets it. Equal to ``background_max`` (the
             default): the thread looks every ``background_max``. The runtime raises it to
             4 ms where the ranks fill the node's cores: each wake there takes a rank's core
             and its GIL (~40-70 µs of the caller's time, about one per millisecond of a busy
@@ -388,7 +388,8 @@ class ProgressThread:
         #: A lone operation an awaiting coroutine handed over: block in its backend for it.
         self.lone: CommFuture | None = None
         self._interval = 0.0
-        self._nap = 0.0  # how long the next park for lack of anything to poll lasts
+        #: How long its next park for lack of anything to poll lasts (``_doze``).
+        self._nap = engine.policy.background_max
         self._idle_since = 0.0
 
     def wake(self) -> None:
@@ -399,6 +400,7 @@ class ProgressThread:
             self._thread = threading.Thread(target=self._run, name="mcrdl-progress", daemon=True)
             self._thread.start()
         self.parked = self.deep = False
+        self._nap = self._engine.policy.background_max  # wanted now: no long nap next
         try:
             self._wake.release()
         except RuntimeError:  # released already and not yet taken: it will not block
@@ -433,14 +435,14 @@ class ProgressThread:
         """Park for lack of anything to poll, for the current nap; the next lasts twice as
         long, up to ``background_nap_max`` (a thread that keeps finding nothing to do wakes,
         and takes the GIL from the caller, less often)."""
-        self._park(self._nap, for_work=for_work)
-        self._nap = min(2 * self._nap, policy.background_nap_max)
+        nap = self._nap
+        self._nap = min(2 * nap, policy.background_nap_max)  # (before: a wake() resets it)
+        self._park(nap, for_work=for_work)
 
     def _run(self) -> None:
         engine = self._engine
         policy = engine.policy
         self._interval = policy.background_min
-        self._nap = policy.background_max
         self._idle_since = _clock()
         while not self._stop:
             try:
@@ -462,9 +464,8 @@ class ProgressThread:
             return
         if not engine._unfinished:
             if _clock() - self._idle_since > policy.deep_idle:
-                self._park(-1, for_work=True)
+                self._park(-1, for_work=True)  # (the wake() that ends it resets the nap)
                 self._idle_since = _clock()
-                self._nap = policy.background_max
             else:
                 self._doze(policy, for_work=True)
             self._interval = policy.background_min

@@ -331,15 +331,23 @@ def test_the_background_thread_checks_deadlines_while_mpi_work_is_in_flight(cloc
 def _naps(policy, clock, mpi):
     """The background thread's parks, turn by turn (its ``_step`` called here, without the
     thread): while a waiter drives, once the caller is quiet with work in flight (a poll),
-    while it drives again, and with nothing in flight."""
+    while it drives again, with nothing in flight, and after a ``wake()``."""
     from mcrdl.engine import PollPolicy
     from mcrdl.engine._drivers import ProgressThread
 
     engine = Engine(background=False, clock=clock, policy=policy or PollPolicy())
     thread = ProgressThread(engine)
     parks: list[float] = []
-    thread._park = lambda timeout, *, for_work=False: parks.append(timeout)  # type: ignore[method-assign]
-    thread._nap = engine.policy.background_max  # (as its run starts)
+    woken = []  # wake() during the next park (a submission meanwhile)
+
+    def park(timeout, *, for_work=False):
+        parks.append(timeout)
+        if woken:
+            woken.pop()
+            thread.wake()
+
+    thread._park = park  # type: ignore[method-assign]
+    thread._thread = threading.current_thread()  # (so that wake() starts no thread)
     thread._interval = engine.policy.background_min
     turns = []
 
@@ -363,13 +371,19 @@ def _naps(policy, clock, mpi):
     assert fut.done()
     thread._idle_since = float("inf")  # (not idle long enough to sleep deep)
     turns_of(3)
+    thread.wake()  # a submission, or a wait handed over: wanted now
+    turns_of(1)
+    turns_of(2)
+    woken.append(True)
+    turns_of(2)  # woken during the first park: the second is short again
     return turns
 
 
 def test_the_background_thread_naps_longer_while_it_finds_nothing_to_poll(clock, mpi):
     """With ``background_nap_max`` above ``background_max`` (the runtime's choice where the
     ranks fill the cores), each turn that finds nothing to poll doubles the next nap up to
-    the maximum; a poll resets it. By default it naps ``background_max`` every turn."""
+    the maximum; a poll or a wake resets it. By default it naps ``background_max`` every
+    turn."""
     from mcrdl.engine import PollPolicy
 
     ms = 1e-3
@@ -378,8 +392,12 @@ def test_the_background_thread_naps_longer_while_it_finds_nothing_to_poll(clock,
         [],  # quiet caller, work in flight: it polls (and naps background_min, unparked)
         [ms, 2 * ms],  # driven again: from background_max
         [4 * ms, 4 * ms, 4 * ms],  # nothing in flight: it keeps doubling (capped)
+        [ms],  # woken: from background_max again
+        [2 * ms, 4 * ms],
+        [4 * ms, ms],  # woken while parked
     ]
-    assert _naps(None, clock, mpi) == [[ms] * 4, [], [ms] * 2, [ms] * 3]
+    assert _naps(None, clock, mpi) == [[ms] * 4, [], [ms] * 2, [ms] * 3, [ms], [ms] * 2,
+                                       [ms] * 2]
 
 
 def test_the_runtime_lets_the_thread_nap_longer_where_the_ranks_fill_the_cores():
