@@ -115,8 +115,9 @@ def main() -> None:
     comm = mcrdl.init()
     engine = comm.runtime.engine
     if engine._thread is None:
+        mcrdl.finalize()
         raise SystemExit("the progress thread is off (MCRDL_PROGRESS_THREAD=0): nothing to compare")
-    chosen = engine.policy.background_nap_max
+    chosen = engine.policy.nap_max
     naps = [float(n) * 1e-3 for n in args.naps.split(",")]
     policies = [dataclasses.replace(engine.policy, background_nap_max=n) for n in naps]
     todo = cases(comm)

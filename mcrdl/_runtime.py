@@ -484,11 +484,12 @@ def _oversubscribed(bootstrap: Bootstrap | None) -> bool:
 _FULL_NODE_NAP = 4e-3
 
 
-def _background_nap_max(bootstrap: Bootstrap | None) -> float:
+def _background_nap_max(bootstrap: Bootstrap | None) -> float | None:
     """The background thread's longest nap (`PollPolicy.background_nap_max`): 4 ms where the
-    ranks fill this host's cores, so that it has no core of its own; else its default."""
+    ranks fill this host's cores, so that it has no core of its own; else None (the default:
+    no longer than ``background_max``)."""
     full = bootstrap is not None and bootstrap.local_size >= (os.cpu_count() or 1)
-    return _FULL_NODE_NAP if full else PollPolicy.background_nap_max
+    return _FULL_NODE_NAP if full else None
 
 
 def init(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -26,6 +27,7 @@ def test_thread_naps_benchmark_prints_its_rows():
         [sys.executable, "benchmarks/thread_naps.py", "--rounds", "1", "--reps", "1",
          "--cases", "one,64 x 4 B,then"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "MCRDL_PROGRESS_THREAD": "1"},  # (what it compares)
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = re.findall(r"^(.+?)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", proc.stdout, re.M)

@@ -91,16 +91,19 @@ class PollPolicy:
             doubles while nothing finishes and resets when something does.
         background_nap_max: the longest nap of the background thread while it finds
             nothing to poll (no work in flight, or a caller that drives or keeps submitting).
-            Each such nap doubles the next, from ``background_max``; a poll, a handed-over
-            wait or any ``wake()`` (a submission that finds it asleep) resets it. Equal to ``background_max`` (the
-            default): the thread looks every ``background_max``. The runtime raises it to
+            Each such nap doubles the next, from ``background_max``; a poll, a wait handed
+            over to it (``Engine.wake_background``) or a wake from its deep sleep resets it.
+            None (the default), or anything up to ``background_max``: no doubling, the
+            thread looks every ``background_max`` (``nap_max``). The runtime raises it to
             4 ms where the ranks fill the node's cores: each wake there takes a rank's core
             and its GIL (~40-70 µs of the caller's time, about one per millisecond of a busy
             caller), and polls during compute only move MPI's CPU work onto the compute's
-            own core. The price is a slower start of the polling once a busy caller turns
-            to compute with work in flight (docs/performance.md has both sides).
+            own core. The price: once a busy caller, or a stretch with nothing in flight,
+            turns to compute with work in flight, the polls start up to ``nap_max`` later
+            (a submission does not wake a napping thread; docs/performance.md has both
+            sides).
         deep_idle: seconds without work after which the background thread sleeps until a
-            submission wakes it (before that it naps ``background_max`` at a time).
+            submission wakes it (before that it naps, ``background_max`` up to ``nap_max``).
         oversubscribed: more ranks than cores on this node: never spin; and a waiter for an
             operation of a self-progressing backend (gloo) naps ``give_way_seconds`` where it
             would yield the CPU between polls (``give_way``).
@@ -117,7 +120,7 @@ class PollPolicy:
     sleep_max: float = 1e-3
     background_min: float = 20e-6
     background_max: float = 1e-3
-    background_nap_max: float = 1e-3
+    background_nap_max: float | None = None
     deep_idle: float = 0.1
     oversubscribed: bool = False
     give_way_seconds: float = 50e-6
@@ -138,6 +141,14 @@ class PollPolicy:
             _sleep(self.give_way_seconds)
         else:
             _sched_yield()
+
+    @property
+    def nap_max(self) -> float:
+        """The background thread's longest nap: ``background_nap_max``, never below
+        ``background_max``."""
+        if self.background_nap_max is None:
+            return self.background_max
+        return max(self.background_nap_max, self.background_max)
 
     @property
     def patience(self) -> float:
@@ -220,9 +231,9 @@ def wait(engine: Engine, fut: CommFuture, timeout: float | None, until: int = DO
             else:
                 _sleep(policy.nap(waited))
     finally:
-        # The background thread is not woken here: it naps background_max at a time and
-        # finds the work itself. Waking it on every exit made a waiter of N futures pay N
-        # GIL hand-offs (32 µs per operation instead of 12 with 10 in flight).
+        # The background thread is not woken here: it naps (background_max, up to
+        # nap_max) and finds the work itself. Waking it on every exit made a waiter of N
+        # futures pay N GIL hand-offs (32 µs per operation instead of 12 with 10 in flight).
         engine.drivers -= 1
         engine.waiting.remove(fut)
         engine.last_active = engine._clock()
@@ -363,10 +374,10 @@ class ProgressThread:
     """Polls the engine while work is in flight and no waiter drives it.
 
     Waking a thread costs its waker a GIL hand-off later, so submissions do not wake it: a
-    recently active thread naps (``background_max``, doubling up to ``background_nap_max``
-    while it finds nothing to poll) and finds new work by itself; only after ``deep_idle``
-    seconds without work does it sleep until a submission wakes it (``deep``). An awaiting
-    coroutine that hands its wait over wakes it at once.
+    recently active thread naps (``background_max``, doubling up to ``nap_max`` while it
+    finds nothing to poll) and finds new work by itself; only after ``deep_idle`` seconds
+    without work does it sleep until a submission wakes it (``deep``). An awaiting coroutine
+    that hands its wait over wakes it at once (``wanted``).
 
     Invariants:
     - ``parked`` is True only while the thread is blocked (or about to block) on ``_wake``;
@@ -387,6 +398,9 @@ class ProgressThread:
         self.deep = True
         #: A lone operation an awaiting coroutine handed over: block in its backend for it.
         self.lone: CommFuture | None = None
+        #: Set by a wait handed over (``Engine.wake_background``) before it reads ``parked``;
+        #: a park that starts meanwhile returns at once, and the next turn naps short again.
+        self.wanted = False
         self._interval = 0.0
         #: How long its next park for lack of anything to poll lasts (``_doze``).
         self._nap = engine.policy.background_max
@@ -425,7 +439,7 @@ class ProgressThread:
         engine = self._engine
         self.parked = True
         self.deep = timeout < 0
-        if self._stop or (for_work and engine._unfinished):
+        if self._stop or self.wanted or (for_work and engine._unfinished):
             self.parked = self.deep = False
             return
         self._wake.acquire(True, timeout)
@@ -433,10 +447,10 @@ class ProgressThread:
 
     def _doze(self, policy: PollPolicy, *, for_work: bool = False) -> None:
         """Park for lack of anything to poll, for the current nap; the next lasts twice as
-        long, up to ``background_nap_max`` (a thread that keeps finding nothing to do wakes,
+        long, up to ``nap_max`` (a thread that keeps finding nothing to do wakes,
         and takes the GIL from the caller, less often)."""
         nap = self._nap
-        self._nap = min(2 * nap, policy.background_nap_max)  # (before: a wake() resets it)
+        self._nap = min(2 * nap, policy.nap_max)  # (before the park: a wake() resets it)
         self._park(nap, for_work=for_work)
 
     def _run(self) -> None:
@@ -455,10 +469,12 @@ class ProgressThread:
     def _step(self, engine: Engine, policy: PollPolicy) -> None:
         """One turn of the thread: block for a handed-over lone operation, park while there
         is nothing to do or somebody else drives, else poll once, check deadlines, nap."""
+        if self.wanted:  # a wait was handed over: look again soon, whatever it finds now
+            self.wanted = False
+            self._nap = policy.background_max
         lone = self.lone
         if lone is not None:
             self.lone = None
-            self._nap = policy.background_max
             if not engine.drivers:
                 _block(engine, lone, None)
             return

@@ -1263,6 +1263,7 @@ class Engine:
         if thread is not None:
             if lone is not None:
                 thread.lone = lone
+            thread.wanted = True  # (before reading parked: a park starting now sees it)
             if thread.parked:
                 thread.wake()
 

@@ -331,7 +331,9 @@ def test_the_background_thread_checks_deadlines_while_mpi_work_is_in_flight(cloc
 def _naps(policy, clock, mpi):
     """The background thread's parks, turn by turn (its ``_step`` called here, without the
     thread): while a waiter drives, once the caller is quiet with work in flight (a poll),
-    while it drives again, with nothing in flight, and after a ``wake()``."""
+    while it drives again, with nothing in flight, after a ``wake()``, after a wake during a
+    park, and after a wait handed over (``Engine.wake_background``), with and without a lone
+    operation."""
     from mcrdl.engine import PollPolicy
     from mcrdl.engine._drivers import ProgressThread
 
@@ -348,6 +350,8 @@ def _naps(policy, clock, mpi):
 
     thread._park = park  # type: ignore[method-assign]
     thread._thread = threading.current_thread()  # (so that wake() starts no thread)
+    thread.parked = thread.deep = False  # (the stub park never parks)
+    engine._thread = thread  # (for wake_background)
     thread._interval = engine.policy.background_min
     turns = []
 
@@ -376,6 +380,12 @@ def _naps(policy, clock, mpi):
     turns_of(2)
     woken.append(True)
     turns_of(2)  # woken during the first park: the second is short again
+    turns_of(2)
+    engine.wake_background()  # handed over while the thread was not parked
+    turns_of(1)
+    turns_of(2)
+    engine.wake_background(fut)  # a lone one (finished already: nothing to block in)
+    turns_of(2)
     return turns
 
 
@@ -395,9 +405,34 @@ def test_the_background_thread_naps_longer_while_it_finds_nothing_to_poll(clock,
         [ms],  # woken: from background_max again
         [2 * ms, 4 * ms],
         [4 * ms, ms],  # woken while parked
+        [2 * ms, 4 * ms],
+        [ms],  # a wait handed over
+        [2 * ms, 4 * ms],
+        [ms],  # a lone operation handed over (its turn blocks in it, then a short nap)
     ]
     assert _naps(None, clock, mpi) == [[ms] * 4, [], [ms] * 2, [ms] * 3, [ms], [ms] * 2,
-                                       [ms] * 2]
+                                       [ms] * 2, [ms] * 2, [ms], [ms] * 2, [ms]]
+    # A longer background_max and no background_nap_max: never shorter than background_max.
+    assert PollPolicy(background_max=2 * ms).nap_max == 2 * ms
+    assert PollPolicy(background_max=2 * ms, background_nap_max=ms).nap_max == 2 * ms
+    assert PollPolicy(background_nap_max=4 * ms).nap_max == 4 * ms
+
+
+def test_a_wait_handed_over_as_the_thread_heads_for_a_nap_cuts_the_nap_short():
+    """An awaiting coroutine hands its wait over (``Engine.wake_background``) after the
+    thread decided to nap but before it parked: the park must not last the nap."""
+    import time
+
+    from mcrdl.engine._drivers import ProgressThread
+
+    engine = Engine(background=False)
+    thread = ProgressThread(engine)
+    engine._thread = thread
+    thread.parked = thread.deep = False  # (deciding, not parked yet)
+    engine.wake_background()
+    t0 = time.monotonic()
+    thread._park(5.0)
+    assert time.monotonic() - t0 < 1.0
 
 
 def test_the_runtime_lets_the_thread_nap_longer_where_the_ranks_fill_the_cores():
@@ -411,10 +446,9 @@ def test_the_runtime_lets_the_thread_nap_longer_where_the_ranks_fill_the_cores()
     assert _background_nap_max(SimpleNamespace(local_size=cores)) == 4e-3
     assert _background_nap_max(SimpleNamespace(local_size=cores + 2)) == 4e-3
     if cores > 1:
-        assert _background_nap_max(SimpleNamespace(local_size=cores - 1)) == (
-            PollPolicy.background_nap_max)
-    assert _background_nap_max(None) == PollPolicy.background_nap_max == (
-        PollPolicy.background_max)
+        assert _background_nap_max(SimpleNamespace(local_size=cores - 1)) is None
+    assert _background_nap_max(None) is None
+    assert PollPolicy().nap_max == PollPolicy.background_max  # (None: no doubling)
 
 
 def test_the_background_thread_outlives_a_failure_and_a_raising_callback(mpi, caplog):
