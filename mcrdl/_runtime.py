@@ -480,15 +480,18 @@ def _oversubscribed(bootstrap: Bootstrap | None) -> bool:
     return bootstrap is not None and bootstrap.local_size > (os.cpu_count() or 1)
 
 
-#: The background thread's longest nap where the ranks fill the cores (docs/performance.md).
+#: The background thread's longest nap where the ranks fill the cores, one a core
+#: (docs/performance.md).
 _FULL_NODE_NAP = 4e-3
 
 
 def _background_nap_max(bootstrap: Bootstrap | None) -> float | None:
     """The background thread's longest nap (`PollPolicy.background_nap_max`): 4 ms where the
-    ranks fill this host's cores, so that it has no core of its own; else None (the default:
-    no longer than ``background_max``)."""
-    full = bootstrap is not None and bootstrap.local_size >= (os.cpu_count() or 1)
+    ranks fill this host's cores, one rank a core, so that it has no core of its own; else
+    None (the default: no longer than ``background_max``). Not where there are more ranks
+    than cores: there the peers wait on a rank's polls while it computes, and 4 ms naps
+    made the examples' steps longer (docs/performance.md)."""
+    full = bootstrap is not None and bootstrap.local_size == (os.cpu_count() or 1)
     return _FULL_NODE_NAP if full else None
 
 

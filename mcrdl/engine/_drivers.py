@@ -95,7 +95,9 @@ class PollPolicy:
             over to it (``Engine.wake_background``) or a wake from its deep sleep resets it.
             None (the default), or anything up to ``background_max``: no doubling, the
             thread looks every ``background_max`` (``nap_max``). The runtime raises it to
-            4 ms where the ranks fill the node's cores: each wake there takes a rank's core
+            4 ms where the ranks fill the node's cores, one rank a core (not where they
+            oversubscribe them: longer naps slowed steps there): there each wake takes a
+            rank's core
             and its GIL (~40-70 µs of the caller's time, about one per millisecond of a busy
             caller), and polls during compute only move MPI's CPU work onto the compute's
             own core. The price: once a busy caller, or a stretch with nothing in flight,

@@ -435,7 +435,7 @@ def test_a_wait_handed_over_as_the_thread_heads_for_a_nap_cuts_the_nap_short():
     assert time.monotonic() - t0 < 1.0
 
 
-def test_the_runtime_lets_the_thread_nap_longer_where_the_ranks_fill_the_cores():
+def test_the_runtime_lets_the_thread_nap_longer_where_the_ranks_fill_the_cores_exactly():
     import os
     from types import SimpleNamespace
 
@@ -444,7 +444,7 @@ def test_the_runtime_lets_the_thread_nap_longer_where_the_ranks_fill_the_cores()
 
     cores = os.cpu_count() or 1
     assert _background_nap_max(SimpleNamespace(local_size=cores)) == 4e-3
-    assert _background_nap_max(SimpleNamespace(local_size=cores + 2)) == 4e-3
+    assert _background_nap_max(SimpleNamespace(local_size=cores + 2)) is None  # oversubscribed
     if cores > 1:
         assert _background_nap_max(SimpleNamespace(local_size=cores - 1)) is None
     assert _background_nap_max(None) is None
