@@ -449,8 +449,8 @@ class ProgressThread:
 
     def _doze(self, policy: PollPolicy, *, for_work: bool = False) -> None:
         """Park for lack of anything to poll, for the current nap; the next lasts twice as
-        long, up to ``nap_max`` (a thread that keeps finding nothing to do wakes,
-        and takes the GIL from the caller, less often)."""
+        long, up to ``nap_max`` (a thread that keeps finding nothing to do wakes, and takes
+        the GIL from the caller, less often)."""
         nap = self._nap
         self._nap = min(2 * nap, policy.nap_max)  # (before the park: a wake() resets it)
         self._park(nap, for_work=for_work)
