@@ -97,10 +97,9 @@ class PollPolicy:
             thread looks every ``background_max`` (``nap_max``). The runtime raises it to
             4 ms where the ranks fill the node's cores, one rank a core (not where they
             oversubscribe them: longer naps slowed steps there): there each wake takes a
-            rank's core
-            and its GIL (~40-70 µs of the caller's time, about one per millisecond of a busy
-            caller), and polls during compute only move MPI's CPU work onto the compute's
-            own core. The price: once a busy caller, or a stretch with nothing in flight,
+            rank's core and its GIL (~40-70 µs of the caller's time, about one per
+            millisecond of a busy caller), and polls during compute only move MPI's CPU
+            work onto the compute's own core. The price: once a busy caller, or a stretch with nothing in flight,
             turns to compute with work in flight, the polls start up to ``nap_max`` later
             (a submission does not wake a napping thread; docs/performance.md has both
             sides).
@@ -400,8 +399,9 @@ class ProgressThread:
         self.deep = True
         #: A lone operation an awaiting coroutine handed over: block in its backend for it.
         self.lone: CommFuture | None = None
-        #: Set by a wait handed over (``Engine.wake_background``) before it reads ``parked``;
-        #: a park that starts meanwhile returns at once, and the next turn naps short again.
+        #: Set by ``wake()``, and by a wait handed over (``Engine.wake_background``) before it
+        #: reads ``parked``: a park that starts meanwhile returns at once, and the next turn
+        #: resets the nap (only the thread itself writes ``_nap``).
         self.wanted = False
         self._interval = 0.0
         #: How long its next park for lack of anything to poll lasts (``_doze``).
@@ -416,7 +416,7 @@ class ProgressThread:
             self._thread = threading.Thread(target=self._run, name="mcrdl-progress", daemon=True)
             self._thread.start()
         self.parked = self.deep = False
-        self._nap = self._engine.policy.background_max  # wanted now: no long nap next
+        self.wanted = True  # (its next turn naps short: it resets its own nap)
         try:
             self._wake.release()
         except RuntimeError:  # released already and not yet taken: it will not block
@@ -451,9 +451,8 @@ class ProgressThread:
         """Park for lack of anything to poll, for the current nap; the next lasts twice as
         long, up to ``nap_max`` (a thread that keeps finding nothing to do wakes, and takes
         the GIL from the caller, less often)."""
-        nap = self._nap
-        self._nap = min(2 * nap, policy.nap_max)  # (before the park: a wake() resets it)
-        self._park(nap, for_work=for_work)
+        self._park(self._nap, for_work=for_work)
+        self._nap = min(2 * self._nap, policy.nap_max)
 
     def _run(self) -> None:
         engine = self._engine
@@ -471,7 +470,7 @@ class ProgressThread:
     def _step(self, engine: Engine, policy: PollPolicy) -> None:
         """One turn of the thread: block for a handed-over lone operation, park while there
         is nothing to do or somebody else drives, else poll once, check deadlines, nap."""
-        if self.wanted:  # a wait was handed over: look again soon, whatever it finds now
+        if self.wanted:  # woken, or a wait handed over: look again soon, whatever it finds
             self.wanted = False
             self._nap = policy.background_max
         lone = self.lone
@@ -482,7 +481,7 @@ class ProgressThread:
             return
         if not engine._unfinished:
             if _clock() - self._idle_since > policy.deep_idle:
-                self._park(-1, for_work=True)  # (the wake() that ends it resets the nap)
+                self._park(-1, for_work=True)  # (the wake() that ends it marks it wanted)
                 self._idle_since = _clock()
             else:
                 self._doze(policy, for_work=True)

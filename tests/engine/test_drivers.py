@@ -340,7 +340,7 @@ def _naps(policy, clock, mpi):
     engine = Engine(background=False, clock=clock, policy=policy or PollPolicy())
     thread = ProgressThread(engine)
     parks: list[float] = []
-    woken = []  # wake() during the next park (a submission meanwhile)
+    woken = []  # wake() during the next park (a wait handed over meanwhile)
 
     def park(timeout, *, for_work=False):
         parks.append(timeout)
