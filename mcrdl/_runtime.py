@@ -103,8 +103,7 @@ class Runtime:
                 for name, b in self._backends.items()
             }
         self.engine = engine or Engine(
-            policy=PollPolicy(oversubscribed=_oversubscribed(bootstrap),
-                              background_nap_max=_background_nap_max(bootstrap)),
+            policy=_poll_policy(bootstrap),
             background=config.progress_thread,
             timeout=config.timeout,
             on_timeout=self._dump_flight_record,
@@ -475,24 +474,25 @@ def _cuda_devices(known: Mapping[str, Any]) -> dict[str, Any]:
     return {f"cuda:{index}": CudaDevice(index)}
 
 
-def _oversubscribed(bootstrap: Bootstrap | None) -> bool:
-    """More ranks on this host than it has cores: waiters must never spin."""
-    return bootstrap is not None and bootstrap.local_size > (os.cpu_count() or 1)
-
-
 #: The background thread's longest nap where the ranks fill the cores, one a core
 #: (docs/performance.md).
 _FULL_NODE_NAP = 4e-3
 
 
-def _background_nap_max(bootstrap: Bootstrap | None) -> float | None:
-    """The background thread's longest nap (`PollPolicy.background_nap_max`): 4 ms where the
-    ranks fill this host's cores, one rank a core, so that it has no core of its own; else
-    None (the default: no longer than ``background_max``). Not where there are more ranks
-    than cores: there the peers wait on a rank's polls while it computes, and 4 ms naps
-    made the examples' steps longer (docs/performance.md)."""
-    full = bootstrap is not None and bootstrap.local_size == (os.cpu_count() or 1)
-    return _FULL_NODE_NAP if full else None
+def _poll_policy(bootstrap: Bootstrap | None) -> PollPolicy:
+    """How the engine idles on this host, from its ranks against its cores:
+    - more ranks than cores (``oversubscribed``): waiters never spin;
+    - as many (one rank a core): the background thread naps up to 4 ms while it finds
+      nothing to poll (`PollPolicy.background_nap_max`), since it has no core of its own.
+      Not where there are more ranks than cores: there the peers wait on a rank's polls
+      while it computes, and 4 ms naps made the examples' steps longer
+      (docs/performance.md)."""
+    if bootstrap is None:
+        return PollPolicy()
+    cores = os.cpu_count() or 1
+    return PollPolicy(oversubscribed=bootstrap.local_size > cores,
+                      background_nap_max=_FULL_NODE_NAP if bootstrap.local_size == cores
+                      else None)
 
 
 def init(

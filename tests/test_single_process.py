@@ -277,7 +277,7 @@ def test_a_sweep_runs_where_its_buffers_can_be(world):
 def test_the_runtime_gives_the_engine_the_thread_nap_of_its_node(monkeypatch):
     """One rank fills a one-core node: the background thread's longest nap is 4 ms there,
     and the default (None: no doubling) where a core is left for it
-    (`_runtime._background_nap_max`)."""
+    (`_runtime._poll_policy`)."""
     for cores, nap in ((1, 4e-3), (64, None)):
         monkeypatch.setattr("os.cpu_count", lambda cores=cores: cores)
         with mcrdl.init() as comm:

@@ -439,8 +439,11 @@ def test_the_runtime_lets_the_thread_nap_longer_where_the_ranks_fill_the_cores_e
     import os
     from types import SimpleNamespace
 
-    from mcrdl._runtime import _background_nap_max
+    from mcrdl._runtime import _poll_policy
     from mcrdl.engine import PollPolicy
+
+    def _background_nap_max(bootstrap):
+        return _poll_policy(bootstrap).background_nap_max
 
     cores = os.cpu_count() or 1
     assert _background_nap_max(SimpleNamespace(local_size=cores)) == 4e-3
@@ -449,6 +452,9 @@ def test_the_runtime_lets_the_thread_nap_longer_where_the_ranks_fill_the_cores_e
         assert _background_nap_max(SimpleNamespace(local_size=cores - 1)) is None
     assert _background_nap_max(None) is None
     assert PollPolicy().nap_max == PollPolicy.background_max  # (None: no doubling)
+    # The same count says where waiters must never spin.
+    assert _poll_policy(SimpleNamespace(local_size=cores + 1)).oversubscribed
+    assert not _poll_policy(SimpleNamespace(local_size=cores)).oversubscribed
 
 
 def test_the_background_thread_outlives_a_failure_and_a_raising_callback(mpi, caplog):
