@@ -141,7 +141,8 @@ def op_buffers(op: str, nbytes: int, n: int) -> tuple[Any, Any]:
     return t, torch.empty(out_elems, dtype=torch.float32)
 
 
-def raw_nonblocking(MPI: Any, comm: Any, op: str, t: Any, out: Any) -> Callable[[], None]:  # noqa: N803
+def raw_nonblocking(MPI: Any, comm: Any, op: str, t: Any,  # noqa: N803
+                    out: Any) -> Callable[[], None]:
     """raw nb: mpi4py's nonblocking ``op`` on ``comm``, on numpy views of ``t`` and ``out``
     made once, then its ``Test`` loop (the floor of any nonblocking engine)."""
     a, o, in_place = t.numpy(), out.numpy(), MPI.IN_PLACE

@@ -31,8 +31,8 @@ structured; ``mcrdl - straight`` is what the engine's structure (its functions, 
 tracks shared by every operation and backend) adds. The last columns say whether each meets
 ``overhead.py``'s target for ``.wait()`` at that size (against raw nb of the same pairs;
 between ranks only): a point the straight function misses is out of reach of any Python
-engine with these guarantees on this host, in that minute. Figures move between hosts: quote the host (printed
-first).
+engine with these guarantees on this host, in that minute. Figures move between hosts: quote
+the host (printed first).
 """
 
 from __future__ import annotations
