@@ -117,7 +117,8 @@ def main() -> None:
     if engine._thread is None:
         mcrdl.finalize()
         raise SystemExit("the progress thread is off (MCRDL_PROGRESS_THREAD=0): nothing to compare")
-    chosen = engine.policy.nap_max
+    original = engine.policy
+    chosen = original.nap_max
     naps = [float(n) * 1e-3 for n in args.naps.split(",")]
     policies = [dataclasses.replace(engine.policy, background_nap_max=n) for n in naps]
     todo = cases(comm)
@@ -135,7 +136,7 @@ def main() -> None:
         medians = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64)
         comm.allreduce(medians, mcrdl.ReduceOp.MAX).wait()  # the slowest rank's
         rows.append((name, medians.tolist()))
-    restart_thread(comm, dataclasses.replace(engine.policy, background_nap_max=chosen))
+    restart_thread(comm, original)
     if comm.rank == 0:
         print(f"# progress thread's longest nap, {comm.size} ranks on {os.cpu_count()} cores "
               f"(the runtime chose {chosen * 1e3:g} ms); {args.rounds} rounds of {args.reps} "
