@@ -29,7 +29,9 @@ def run_ranks(n: int, argv: list[str], *, timeout: float, env: dict[str, str] | 
     """Run ``python argv...`` on ``n`` ranks; returns the finished process (output merged)."""
     full_env = dict(os.environ)
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    full_env.update({"MCRDL_MULTIRANK": "1", "PYTHONPATH": path,
+    # PYTHONFAULTHANDLER: a rank that crashes (a signal, an abort) prints every thread's
+    # Python stack into the output the failure shows.
+    full_env.update({"MCRDL_MULTIRANK": "1", "PYTHONPATH": path, "PYTHONFAULTHANDLER": "1",
                      "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     full_env.setdefault("MCRDL_TIMEOUT", "30")
     full_env.update(env or {})
