@@ -261,6 +261,32 @@ def test_an_abandoned_mpi_group_is_never_freed(world):
     assert comm.Get_size() == 1  # still a live communicator (freed, it would be COMM_NULL)
 
 
+@pytest.mark.parametrize("module, name", [("mcrdl.engine._progress", "_ABANDONED"),
+                                          ("mcrdl.backends.mpi", "_KEPT")])
+def test_what_is_kept_for_the_rest_of_the_process_outlives_the_interpreters_teardown(
+        module, name):
+    """The zombies an engine abandons and the MPI communicators of broken groups are kept
+    for the rest of the process: MPI_Finalize, which mpi4py runs from ``Py_AtExit`` after the
+    interpreter's teardown, may still move an abandoned operation's bytes. Kept in plain
+    module-level lists, they were deallocated by that teardown, before MPI_Finalize (a
+    weakref callback, itself never dropped, reports a deallocation at any point of the
+    exit)."""
+    code = "\n".join([
+        "import ctypes, importlib, os, weakref",
+        f"kept = getattr(importlib.import_module({module!r}), {name!r})",
+        "class Held: pass",
+        "obj = Held()",
+        "ref = weakref.ref(obj, lambda _r, w=os.write: w(1, b'freed'))",
+        "ctypes.pythonapi.Py_IncRef(ctypes.py_object(ref))",
+        "kept.append((obj, 0.0))",
+        "del obj, kept",
+        "print('exiting', flush=True)",
+    ])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.split() == ["exiting"], out.stdout
+
+
 def test_a_sweep_runs_where_its_buffers_can_be(world):
     from mcrdl.tuning._bench import sweep
 

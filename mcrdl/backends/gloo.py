@@ -32,7 +32,6 @@ Quirks beyond the contract:
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import importlib.util
 import queue
@@ -41,6 +40,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._errors import BackendError
+from .._forever import forever
 from .._types import DType, OpKind, ReduceOp
 from ._contract import Backend, Bootstrap, Capabilities, Request
 
@@ -241,7 +241,7 @@ class GlooBackend(Backend):
             # A reference nobody ever drops: a module-level list is emptied at interpreter
             # exit, and the exit then blocked until the peer process ended (8 s in a probe);
             # the process's end takes gloo's threads with it instead.
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group.pg))
+            forever(group.pg)
 
     def close(self) -> None:
         self._waiters.close()

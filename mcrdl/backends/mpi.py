@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._errors import BackendError, BackendUnavailableError
+from .._forever import forever
 from .._types import REDUCING, DType, OpKind, ReduceOp
 from ._contract import Backend, Bootstrap, Capabilities, Request
 
@@ -50,8 +51,9 @@ _INTS = frozenset({DType.UINT8, DType.INT8, DType.INT16, DType.INT32, DType.INT6
 _REALS = frozenset({DType.FLOAT32, DType.FLOAT64})
 _COMPLEX = frozenset({DType.COMPLEX64, DType.COMPLEX128})
 _HALVES = frozenset({DType.FLOAT16, DType.BFLOAT16})
-#: Communicators of broken groups, never freed (``MPIBackend.abandon``).
-_KEPT: list[tuple[Any, Any]] = []
+#: Communicators of broken groups, never freed (``MPIBackend.abandon``), not even by the
+#: interpreter's teardown, which runs before MPI_Finalize (`forever`).
+_KEPT: list[tuple[Any, Any]] = forever([])
 
 
 def _memory_kinds(MPI: Any) -> tuple[str, ...]:

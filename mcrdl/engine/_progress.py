@@ -53,6 +53,7 @@ from .._errors import (
     RuntimeFinalizedError,
     StartError,
 )
+from .._forever import forever
 from . import _drivers
 from ._future import CANCELLED, DONE, FAILED, ISSUED, PENDING, STATE_NAMES, CommFuture
 from ._future import report_callback_error
@@ -88,8 +89,9 @@ CHECK_KIND = "fingerprint"
 
 #: Zombies left unfinished when their engine closed, with the monotonic time by which their
 #: backend gives up on them: their requests and the memory their backends may still use are
-#: kept for the rest of the process.
-_ABANDONED: list[tuple[CommFuture, float]] = []
+#: kept for the rest of the process, past the interpreter's teardown (`forever`: MPI_Finalize
+#: runs after it, and may still move their bytes).
+_ABANDONED: list[tuple[CommFuture, float]] = forever([])
 #: World ranks of the peers that, when an engine closed, had a send or receive toward this
 #: rank that this rank never matched, on a backend that holds a thread for it (`linger`).
 _WAITED_BY: set[int] = set()
