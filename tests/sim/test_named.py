@@ -77,8 +77,11 @@ CASES = {
 }
 
 
+# Derandomized: the same programs in every run, so that the figures the last test checks
+# (how many blocks were permuted, how many groups fused) do not depend on the draw; drawn at
+# random, the fused groups over 500 programs ranged from 10 to 125 between runs.
 @pytest.mark.parametrize("case", CASES)
-@settings(max_examples=examples(100), deadline=None, database=None,
+@settings(max_examples=examples(100), deadline=None, database=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 @given(st.data(), st.integers(0, 2**16))
 def test_named_blocks_in_per_rank_orders_match_the_reference(case, monkeypatch, data, seed):
