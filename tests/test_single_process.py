@@ -272,12 +272,12 @@ def test_what_is_kept_for_the_rest_of_the_process_outlives_the_interpreters_tear
     weakref callback, itself never dropped, reports a deallocation at any point of the
     exit)."""
     code = "\n".join([
-        "import ctypes, importlib, os, weakref",
+        "import importlib, os, weakref",
+        "from mcrdl._forever import forever",
         f"kept = getattr(importlib.import_module({module!r}), {name!r})",
         "class Held: pass",
         "obj = Held()",
-        "ref = weakref.ref(obj, lambda _r, w=os.write: w(1, b'freed'))",
-        "ctypes.pythonapi.Py_IncRef(ctypes.py_object(ref))",
+        "forever(weakref.ref(obj, lambda _r, w=os.write: w(1, b'freed')))",
         "kept.append((obj, 0.0))",
         "del obj, kept",
         "print('exiting', flush=True)",

@@ -238,9 +238,9 @@ class GlooBackend(Backend):
         connections on which peers may still wait (they saw "connection closed" instead of
         the cause that broke the communicator)."""
         if group.pg is not None:
-            # A reference nobody ever drops: a module-level list is emptied at interpreter
-            # exit, and the exit then blocked until the peer process ended (8 s in a probe);
-            # the process's end takes gloo's threads with it instead.
+            # Not a module-level list: the interpreter's exit empties those, and the exit
+            # then blocked until the peer process ended (8 s in a probe); never destroyed,
+            # the group's threads end with the process instead.
             forever(group.pg)
 
     def close(self) -> None:
