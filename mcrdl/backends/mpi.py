@@ -226,16 +226,21 @@ class MPIBackend(Backend):
         }
         self._testsome = MPI.Request.Testsome
         self._statuses: list[Any] = []
-        self._half = _half_ops(MPI)
         ordered = _INTS | _REALS | {DType.FLOAT16, DType.BFLOAT16}
-        self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD,
-                     ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX, ReduceOp.BAND: MPI.BAND,
-                     ReduceOp.BOR: MPI.BOR, ReduceOp.BXOR: MPI.BXOR}
-        self._plain = _INTS | _REALS | _COMPLEX  # dtypes MPI's own ops reduce
-        self._bool_ops = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR,
-                          ReduceOp.PROD: MPI.LAND, ReduceOp.MIN: MPI.LAND,
-                          ReduceOp.BAND: MPI.LAND, ReduceOp.BOR: MPI.LOR,
-                          ReduceOp.BXOR: MPI.LXOR}
+        ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD,
+               ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX, ReduceOp.BAND: MPI.BAND,
+               ReduceOp.BOR: MPI.BOR, ReduceOp.BXOR: MPI.BXOR}
+        bool_ops = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR,
+                    ReduceOp.PROD: MPI.LAND, ReduceOp.MIN: MPI.LAND,
+                    ReduceOp.BAND: MPI.LAND, ReduceOp.BOR: MPI.LOR,
+                    ReduceOp.BXOR: MPI.LXOR}
+        #: The MPI op reducing each (dtype, ReduceOp) that MPI reduces: its own ops for the
+        #: dtypes MPI's own ops reduce, logical ones for bool, user-defined ones for the
+        #: halves (`_half_ops`).
+        self._mops: dict[tuple[DType, ReduceOp], Any] = {
+            (dt, op): mop for dt in _INTS | _REALS | _COMPLEX for op, mop in ops.items()}
+        self._mops.update(((DType.BOOL, op), mop) for op, mop in bool_ops.items())
+        self._mops.update(_half_ops(MPI))
         self.capabilities = Capabilities(
             ops=frozenset(OpKind),
             dtypes=frozenset(DType),
@@ -298,15 +303,6 @@ class MPIBackend(Backend):
         (a reduction's first argument is the buffer it reduces)."""
         return op in REDUCING and args[0].dtype in _HALVES
 
-    def _op(self, op: ReduceOp, buf: Buffer) -> Any:
-        """The MPI op reducing ``buf``'s dtype with ``op``."""
-        dtype = buf.dtype
-        if dtype in self._plain:
-            return self._ops[op]
-        if dtype in _HALVES:
-            return self._half[(dtype, op)]
-        return self._bool_ops[op]
-
     def _msg(self, buf: Buffer) -> list[Any]:
         """mpi4py's message spec for ``buf``: its memory and its datatype. A tensor goes by
         address: handing mpi4py its ``.numpy()`` view, or the tensor itself, costs more per
@@ -325,11 +321,12 @@ class MPIBackend(Backend):
 
     def start_reduce(self, group: _MPIGroup, buf: Buffer, root: int, op: ReduceOp) -> Request:
         if group.rank == root:
-            return group.comm.Ireduce(self._IN_PLACE, self._msg(buf), self._op(op, buf), root)
-        return group.comm.Ireduce(self._msg(buf), None, self._op(op, buf), root)
+            return group.comm.Ireduce(self._IN_PLACE, self._msg(buf), self._mops[buf.dtype, op],
+                                      root)
+        return group.comm.Ireduce(self._msg(buf), None, self._mops[buf.dtype, op], root)
 
     def start_allreduce(self, group: _MPIGroup, buf: Buffer, op: ReduceOp) -> Request:
-        mop = self._op(op, buf)
+        mop = self._mops[buf.dtype, op]
         if buf.nbytes >= SEGMENT_FROM and group.size > 1:
             return self._segmented(group, buf, mop)
         return group.comm.Iallreduce(self._IN_PLACE, self._msg(buf), mop)
@@ -371,7 +368,7 @@ class MPIBackend(Backend):
                 if self._MPI.Request.Testall(seg.active):
                     seg.active = []
             except self._MPI.Exception as exc:
-                seg.error = BackendError(f"MPI: {exc.Get_error_string()}")
+                seg.error = self._error(exc)
                 seg.active = []
                 seg.next = len(seg.pieces)
         group = seg.group
@@ -399,7 +396,7 @@ class MPIBackend(Backend):
         self, group: _MPIGroup, buf: Buffer, out: Buffer, op: ReduceOp
     ) -> Request:
         return group.comm.Ireduce_scatter_block(self._msg(buf), self._msg(out),
-                                                self._op(op, buf))
+                                                self._mops[buf.dtype, op])
 
     def start_alltoall(self, group: _MPIGroup, buf: Buffer, out: Buffer) -> Request:
         return group.comm.Ialltoall(self._msg(buf), self._msg(out))
@@ -429,7 +426,7 @@ class MPIBackend(Backend):
             try:
                 return [(0, None)] if requests[0].Test() else []
             except self._MPI.Exception as exc:
-                return [(0, BackendError(f"MPI: {exc.Get_error_string()}"))]
+                return [(0, self._error(exc))]
             except BackendError as exc:
                 return [(0, exc)]
         if _Segmented in map(type, requests):  # (C-level scan: polls see every request)
@@ -447,7 +444,12 @@ class MPIBackend(Backend):
         try:
             return request.Test()  # type: ignore[no-any-return]  # a bool
         except self._MPI.Exception as exc:
-            raise BackendError(f"MPI: {exc.Get_error_string()}") from exc
+            raise self._error(exc) from exc
+
+    @staticmethod
+    def _error(exc: Any) -> BackendError:
+        """The BackendError reporting an MPI error (an ``MPI.Exception``)."""
+        return BackendError(f"MPI: {exc.Get_error_string()}")
 
     def _test_each(self, requests: list[Request]) -> list[tuple[int, BaseException | None]]:
         """One Test per request (segmented operations are not MPI requests)."""
@@ -457,7 +459,7 @@ class MPIBackend(Backend):
                 if req.Test():
                     out.append((i, None))
             except self._MPI.Exception as exc:
-                out.append((i, BackendError(f"MPI: {exc.Get_error_string()}")))
+                out.append((i, self._error(exc)))
             except BackendError as exc:
                 out.append((i, exc))
         return out
