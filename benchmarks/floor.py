@@ -8,8 +8,9 @@ In one process, a communicator of one rank, where MPI finishes an operation at i
 is timed is Python around MPI, nothing else. Under ``mpiexec -n 2``, the same at two ranks,
 each call's time taken on the slower rank (as ``benchmarks/overhead.py`` does): what
 ``overhead.py``'s targets ask, against the least any Python engine with mcrdl's guarantees
-pays. Three calls, alternated call by call (``common.alternate``, with a barrier before each
-call under ``--barrier on``, overhead.py's second mode; medians of each run):
+pays. Four calls, in five pairs alternated call by call (``common.alternate``, with a
+barrier before each call under ``--barrier on``, overhead.py's second mode; medians of each
+run):
 
 - ``raw nb``: mpi4py's nonblocking call (``Iallreduce``, ``Ialltoall``, ``Iallgather``,
   ``Ibcast``, ``Ireduce_scatter_block``) on numpy views made once, then its ``Test`` loop
@@ -24,15 +25,23 @@ call under ``--barrier on``, overhead.py's second mode; medians of each run):
   lane, looks up hazards, stamps its submission time (the always-on timeout), issues it by
   address, records it as in flight; then tests it and settles it under the lock (state,
   completion time, counters, the in-flight record);
+- ``seams``: ``straight`` with mcrdl's own parts in place of its stand-ins, still in one
+  frame (``seams_call_for``): ``as_buffer`` for each tensor, the communicator's cached
+  choice, the engine's descriptor (``CommFuture``), its lane, counters and track under its
+  lock, and its one settle path (``Engine._settle``, with the flight recorder's history). It
+  issues MPI's call itself, as ``straight`` does;
 - ``mcrdl``: ``comm.<op>(t, out=out, backend="mpi").wait()``.
 
 ``straight - raw nb`` is what those guarantees cost in Python on this host when nothing is
-structured; ``mcrdl - straight`` is what the engine's structure (its functions, the lanes and
-tracks shared by every operation and backend) adds. The last columns say whether each meets
-``overhead.py``'s target for ``.wait()`` at that size (against raw nb of the same pairs;
-between ranks only): a point the straight function misses is out of reach of any Python
-engine with these guarantees on this host, in that minute. Figures move between hosts: quote
-the host (printed first).
+structured; ``seams - straight`` what mcrdl's seams (the Buffer, the descriptor, the shared
+engine state, the settle path that every operation and backend goes through) add at the
+least; ``mcrdl - seams`` what the engine's structure (its functions: the front, submission,
+issue through the backend's ``start_*``, the lone spin) adds on top. The last columns say
+whether each meets ``overhead.py``'s target for ``.wait()`` at that size (against raw nb of
+the same pairs; between ranks only): a point the straight function misses is out of reach of
+any Python engine with these guarantees on this host, in that minute; a point ``seams``
+misses, out of reach of one built on mcrdl's seams. Figures move between hosts: quote the
+host (printed first).
 """
 
 from __future__ import annotations
@@ -184,6 +193,111 @@ def straight_call_for(MPI, mpi_comm, kind: str, size: int):  # noqa: N803 - the 
     return call
 
 
+def seams_call_for(MPI, comm, kind: str, size: int):  # noqa: N803 - the module's own name
+    """The ``seams`` call for ``kind``: ``straight``, with mcrdl's own parts where ``straight``
+    has its stand-ins, each used in line, in one frame: the front's buffer check
+    (``as_buffer``, for ``out`` too), the communicator's cached choice, the engine's
+    descriptor (``CommFuture``) numbered on the lane and counted by the engine under its lock,
+    the backend's track and tables, and the engine's one settle path (``Engine._settle``: the
+    flight recorder's history, the counters, hazards, callbacks). A measuring device reaching
+    into the engine's internals: valid while nothing else is in flight (it checks)."""
+    from mcrdl._buffers import as_buffer
+    from mcrdl._types import OpKind
+    from mcrdl.engine import CommFuture
+    from mcrdl.engine._states import ISSUED
+
+    engine = comm._engine
+    lock = engine._lock
+    clock = engine._clock
+    op_kind = OpKind(kind)
+    reducing = kind in ("allreduce", "reduce_scatter")
+    out_ratio = {"alltoall": (1, 1), "allgather": (size, 1), "reduce_scatter": (1, size)}.get(kind)
+    fromaddress = MPI.buffer.fromaddress
+    in_place = MPI.IN_PLACE
+    test = MPI.Request.Test
+    burst = range(8)  # tests per hold of the lock, as Engine.spin_lone
+    cache = comm._choice_cache
+
+    def call(t, out=None, op=ReduceOp.SUM, root=0, backend="mpi"):
+        # the front
+        b = as_buffer(t, "buf", out_ratio is None)
+        if out_ratio is not None:
+            o = as_buffer(out, "out", True)
+            if o.dtype is not b.dtype or o.device != b.device:
+                raise ValueError("out must have buf's dtype and device")
+            if o.nbytes * out_ratio[1] != b.nbytes * out_ratio[0]:
+                raise ValueError("out's size does not match buf's")
+            if o.addr < b.addr + b.nbytes and b.addr < o.addr + o.nbytes:
+                raise ValueError("out overlaps buf")
+        if reducing:
+            if type(op) is not ReduceOp:
+                raise TypeError("op must be a ReduceOp")
+        else:
+            op = None
+            if kind == "broadcast" and (type(root) is not int or not 0 <= root < size):
+                raise ValueError("root out of range")
+        choice = cache.get((op_kind, b.dtype, op, backend, b.device))
+        if choice is None:
+            choice = comm._decide(op_kind, b.dtype, op, backend, b.device)
+        slot, _ = choice
+        lane = slot.lane
+        be = slot.backend
+        comm._seq = seq = comm._seq + 1
+        if out_ratio is None:
+            fut = CommFuture(kind, lane, seq, None, None, (), b.ranges, t, b.nbytes)
+        else:
+            fut = CommFuture(kind, lane, seq, None, None, b.ranges, o.ranges, out, b.nbytes,
+                             None, t)
+        # the engine: under its lock, open, numbered, counted, issued, in its track
+        fut._engine = engine
+        fut.t_submit = engine.last_active = now = clock()
+        with lock:
+            if engine._closed or lane.comm.broken is not None:
+                raise RuntimeError("closed")
+            if (engine._unindexed is not None or engine._hazards._regions or lane.pending
+                    or lane.issued >= lane.window):
+                raise AssertionError("nothing else is in flight here")
+            lane.submitted = fut.index = lane.submitted + 1
+            engine._unfinished += 1
+            mpi_comm = slot.group.comm
+            mtype = be._types[b.dtype]
+            first = [fromaddress(b.addr, b.nbytes), mtype]
+            if kind == "allreduce":
+                req = mpi_comm.Iallreduce(in_place, first, be._mops[b.dtype, op])
+            elif kind == "broadcast":
+                req = mpi_comm.Ibcast(first, root)
+            else:
+                last = [fromaddress(o.addr, o.nbytes), mtype]
+                if kind == "alltoall":
+                    req = mpi_comm.Ialltoall(first, last)
+                elif kind == "allgather":
+                    req = mpi_comm.Iallgather(first, last)
+                else:
+                    req = mpi_comm.Ireduce_scatter_block(first, last, be._mops[b.dtype, op])
+            fut.t_issue = now
+            fut._state = ISSUED
+            lane.issued += 1
+            fut._request = req
+            track = lane.track
+            track.add(fut, req)
+            engine._unindexed = fut
+        # the wait: tests in bursts under the lock, then the engine's settle
+        engine.drivers += 1
+        try:
+            while fut._state == ISSUED:
+                with lock:
+                    for _ in burst:
+                        if test(req):
+                            track.empty()
+                            engine._settle(fut, None)
+                            break
+        finally:
+            engine.drivers -= 1
+        return fut.result()
+
+    return call
+
+
 OPS = ("allreduce", "alltoall", "allgather", "broadcast", "reduce_scatter")
 
 
@@ -212,13 +326,16 @@ def main() -> None:
               f"and run{'; each call the slowest rank' if n > 1 else ''}; barrier "
               f"{args.barrier}); target: overhead.py's for .wait() against raw nb, met or not "
               f"by each")
-        print(f"{'op':<14} {'bytes':>6} {'run':>3} | {'raw nb':>7} {'straight':>8} {'mcrdl':>7} | "
-              f"{'straight - raw':>14} {'mcrdl - straight':>16} {'mcrdl - raw':>11} | "
-              f"{'target':>6} {'straight':>8} {'mcrdl':>5}")
+        print(f"{'op':<14} {'bytes':>6} {'run':>3} | {'raw nb':>7} {'straight':>8} {'seams':>7} "
+              f"{'mcrdl':>7} | {'straight - raw':>14} {'seams - straight':>16} "
+              f"{'mcrdl - seams':>13} {'mcrdl - raw':>11} | {'target':>6} {'straight':>8} "
+              f"{'seams':>5} {'mcrdl':>5}")
     for op in ops:
         straight_call = straight_call_for(MPI, raw_comm, op, n)
+        seams_call = seams_call_for(MPI, comm, op, n)
         for nbytes in parse_sizes(args.bytes):
-            row = _point(op, nbytes, n, args, comm, raw_comm, MPI, straight_call, sync)
+            row = _point(op, nbytes, n, args, comm, raw_comm, MPI, straight_call, seams_call,
+                         sync)
             if comm.rank == 0:
                 for line in row:
                     print(line, flush=True)
@@ -226,7 +343,8 @@ def main() -> None:
     mcrdl.finalize()
 
 
-def _point(op, nbytes, n, args, comm, raw_comm, MPI, straight_call, sync) -> list[str]:  # noqa: N803
+def _point(op, nbytes, n, args, comm, raw_comm, MPI, straight_call, seams_call,  # noqa: N803
+           sync) -> list[str]:
     """``args.runs`` rows for ``op`` at ``nbytes`` (printed on rank 0)."""
     t, out = op_buffers(op, nbytes, n)
     raw = raw_nonblocking(MPI, raw_comm, op, t, out)
@@ -238,13 +356,16 @@ def _point(op, nbytes, n, args, comm, raw_comm, MPI, straight_call, sync) -> lis
     def straight() -> None:
         straight_call(t, out)
 
+    def seams() -> None:
+        seams_call(t, out)
+
     def engine() -> None:
         method(t, backend="mpi", **kwargs).wait()
 
     # the calls give the same result
     raw()
     expected = [r.clone() for r in results]
-    for call in (straight, engine):
+    for call in (straight, seams, engine):
         call()
         assert all(map(torch.equal, results, expected)), f"{op}: {call.__name__}"
     iters = max(200, min(args.iters, args.iters * 4096 // max(4096, nbytes)))
@@ -253,22 +374,26 @@ def _point(op, nbytes, n, args, comm, raw_comm, MPI, straight_call, sync) -> lis
         for _ in range(max(100, iters // 10)):  # warm every path
             raw()
             straight()
+            seams()
             engine()
-        pairs = [alternate(raw, straight, iters, sync), alternate(straight, engine, iters, sync),
+        pairs = [alternate(raw, straight, iters, sync), alternate(straight, seams, iters, sync),
+                 alternate(seams, engine, iters, sync), alternate(raw, seams, iters, sync),
                  alternate(raw, engine, iters, sync)]
         # each call's time on the slowest rank (the ranks make the calls in step)
-        (r1, s1), (s2, m2), (r3, m3) = [
+        (r1, s1), (s2, e2), (e3, m3), (r4, e4), (r5, m5) = [
             tuple(np.max(raw_comm.allgather(np.array(x)), axis=0) for x in pair)
             for pair in pairs]
         us = 1e6
         med = statistics.median
-        rw = med(np.concatenate([r1, r3])) * us
+        rw = med(np.concatenate([r1, r4, r5])) * us
         st = med(np.concatenate([s1, s2])) * us
-        mc = med(np.concatenate([m2, m3])) * us
+        se = med(np.concatenate([e2, e3, e4])) * us
+        mc = med(np.concatenate([m3, m5])) * us
         # the differences from the pairs that hold both calls (each pair sees one machine)
         d_sr = med(s1 - r1) * us
-        d_ms = med(m2 - s2) * us
-        d_mr = med(m3 - r3) * us
+        d_es = med(e2 - s2) * us
+        d_me = med(m3 - e3) * us
+        d_mr = med(m5 - r5) * us
 
         def verdict(raw_s: float, call_s: float) -> str:
             if n == 1:  # the targets are for operations between ranks
@@ -276,9 +401,10 @@ def _point(op, nbytes, n, args, comm, raw_comm, MPI, straight_call, sync) -> lis
             return "ok" if meets_mpi_target(nbytes, raw_s, call_s) else "MISS"
 
         lines.append(
-            f"{op:<14} {human(nbytes):>6} {run:>3} | {rw:7.2f} {st:8.2f} {mc:7.2f} | "
-            f"{d_sr:+14.2f} {d_ms:+16.2f} {d_mr:+11.2f} | {mpi_target(nbytes):>6} "
-            f"{verdict(med(r1), med(s1)):>8} {verdict(med(r3), med(m3)):>5}")
+            f"{op:<14} {human(nbytes):>6} {run:>3} | {rw:7.2f} {st:8.2f} {se:7.2f} {mc:7.2f} | "
+            f"{d_sr:+14.2f} {d_es:+16.2f} {d_me:+13.2f} {d_mr:+11.2f} | "
+            f"{mpi_target(nbytes):>6} {verdict(med(r1), med(s1)):>8} "
+            f"{verdict(med(r4), med(e4)):>5} {verdict(med(r5), med(m5)):>5}")
     return lines
 
 

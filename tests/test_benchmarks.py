@@ -17,7 +17,8 @@ def test_floor_benchmark_prints_its_rows():
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = re.findall(r"^\w+\s+\w+\s+\d \|\s+([\d.]+)\s+([\d.]+)\s+([\d.]+) \|", proc.stdout, re.M)
+    rows = re.findall(r"^\w+\s+\w+\s+\d \|\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+) \|",
+                      proc.stdout, re.M)
     assert len(rows) == 5, proc.stdout
     assert all(float(x) > 0 for row in rows for x in row)
 
