@@ -50,6 +50,13 @@ def _check_name(name: Any) -> None:
         )
 
 
+def _with_rows(shape: Any, rows: int) -> tuple[int, ...]:
+    """``shape`` (a buffer's) with ``rows`` in place of its dim 0. A 1-d shape, the common
+    case, is not sliced: slicing a torch.Size shows in a small operation's overhead
+    (docs/performance.md)."""
+    return (rows,) if len(shape) == 1 else (rows, *shape[1:])
+
+
 def _check_op(op: Any) -> ReduceOp:
     if type(op) is ReduceOp:
         return op
@@ -363,7 +370,8 @@ class Communicator:
             raise ValueError(
                 f"out is on {o.device} but buf is on {b.device}; pass an out on {b.device}"
             )
-        if o.nbytes and b.nbytes and o.addr < b.stop and b.addr < o.stop:
+        # (the ends written out: Buffer.stop, a property, costs a call each)
+        if o.nbytes and b.nbytes and o.addr < b.addr + b.nbytes and b.addr < o.addr + o.nbytes:
             raise ValueError(
                 f"out overlaps buf; {kind.value} cannot run in place: pass a separate out"
             )
@@ -473,14 +481,15 @@ class Communicator:
         """
         b = as_buffer(buf, "buf")
         root = self._rank_arg("root", root)
-        if not b.shape:
+        shape = b.obj.shape
+        if not shape:
             raise ValueError("gather concatenates along dim 0, but buf is 0-dimensional; "
                              "pass buf.reshape(1)")
         slot, _ = self._choose(OpKind.GATHER, b.dtype, None, b.nbytes * self.size, backend,
                                b.device)
         o = None
         if root == self.rank:
-            o = self._out(OpKind.GATHER, out, b, (b.shape[0] * self.size, *b.shape[1:]))
+            o = self._out(OpKind.GATHER, out, b, _with_rows(shape, shape[0] * self.size))
         return self._submit(OpKind.GATHER, slot, slot.backend.start_gather,
                             (slot.group, b, o, root), b.ranges,
                             o.ranges if o is not None else _NO_RANGES,
@@ -499,10 +508,7 @@ class Communicator:
                              "pass buf.reshape(1)")
         slot, _ = self._choose(_ALLGATHER, b.dtype, None, b.nbytes * self.size, backend,
                                b.device)
-        # A 1-d buffer, the common case, skips slicing its shape: slicing a torch.Size is slow
-        # enough to show in a small allgather's overhead (docs/performance.md).
-        rows = shape[0] * self.size
-        o = self._out(_ALLGATHER, out, b, (rows,) if len(shape) == 1 else (rows, *shape[1:]))
+        o = self._out(_ALLGATHER, out, b, _with_rows(shape, shape[0] * self.size))
         return self._submit(_ALLGATHER, slot, slot.backend.start_allgather, (slot.group, b, o),
                             b.ranges, o.ranges, o.obj, b.nbytes, after, hold=b.obj, name=name)
 
@@ -525,7 +531,7 @@ class Communicator:
         else:
             b = as_buffer(buf, "buf")
             rows = self._rows(OpKind.SCATTER, b)
-            o = self._out(OpKind.SCATTER, out, b, (rows // self.size, *b.shape[1:]))
+            o = self._out(OpKind.SCATTER, out, b, _with_rows(b.obj.shape, rows // self.size))
             dtype, nbytes, device = b.dtype, b.nbytes, b.device
         slot, _ = self._choose(OpKind.SCATTER, dtype, None, nbytes, backend, device)
         send = b if root == self.rank else None
@@ -545,7 +551,7 @@ class Communicator:
         rows = self._rows(_REDUCE_SCATTER, b)
         slot, emulate = self._choose(_REDUCE_SCATTER, b.dtype, op, b.nbytes, backend,
                                      b.device)
-        o = self._out(_REDUCE_SCATTER, out, b, (rows // self.size, *b.shape[1:]))
+        o = self._out(_REDUCE_SCATTER, out, b, _with_rows(b.obj.shape, rows // self.size))
         finish = None
         if emulate:
             op = _SUM
