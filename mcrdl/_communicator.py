@@ -340,21 +340,20 @@ class Communicator:
             raise ValueError(f"tag={tag} out of range; tags are 0..{_MAX_TAG} on every backend")
         return int(tag)
 
-    def _rows(self, kind: OpKind, b: Buffer, name: str = "buf") -> int:
-        """dim 0 of ``b``, which must split into ``size`` equal chunks."""
+    def _split_shape(self, kind: OpKind, b: Buffer, name: str = "buf") -> Any:
+        """The shape of ``b``, whose dim 0 must split into ``size`` equal chunks."""
         shape = b.obj.shape
         if not shape:
             raise ValueError(
                 f"{kind.value} splits dim 0, but {name} is 0-dimensional; pass "
                 f"{name}.reshape(1) or a buffer with a leading dimension"
             )
-        rows: int = shape[0]
-        if rows % self.size:
+        if shape[0] % self.size:
             raise ValueError(
                 f"{kind.value} needs dim 0 of {name} divisible by the communicator size "
                 f"{self.size}; got shape {tuple(b.shape)}"
             )
-        return rows
+        return shape
 
     def _out(self, kind: OpKind, out: Any, b: Buffer, shape: tuple[int, ...] | None) -> Buffer:
         """Check a caller's ``out`` for a result of ``shape`` (None: any shape), or allocate
@@ -530,8 +529,8 @@ class Communicator:
             dtype, nbytes, device = o.dtype, o.nbytes * self.size, o.device
         else:
             b = as_buffer(buf, "buf")
-            rows = self._rows(OpKind.SCATTER, b)
-            o = self._out(OpKind.SCATTER, out, b, _with_rows(b.obj.shape, rows // self.size))
+            shape = self._split_shape(OpKind.SCATTER, b)
+            o = self._out(OpKind.SCATTER, out, b, _with_rows(shape, shape[0] // self.size))
             dtype, nbytes, device = b.dtype, b.nbytes, b.device
         slot, _ = self._choose(OpKind.SCATTER, dtype, None, nbytes, backend, device)
         send = b if root == self.rank else None
@@ -548,10 +547,10 @@ class Communicator:
         """Reduce members' ``buf``; member i receives chunk i (along dim 0) in ``out``."""
         b = as_buffer(buf, "buf")
         op = _check_op(op)
-        rows = self._rows(_REDUCE_SCATTER, b)
+        shape = self._split_shape(_REDUCE_SCATTER, b)
         slot, emulate = self._choose(_REDUCE_SCATTER, b.dtype, op, b.nbytes, backend,
                                      b.device)
-        o = self._out(_REDUCE_SCATTER, out, b, _with_rows(b.obj.shape, rows // self.size))
+        o = self._out(_REDUCE_SCATTER, out, b, _with_rows(shape, shape[0] // self.size))
         finish = None
         if emulate:
             op = _SUM
@@ -566,9 +565,9 @@ class Communicator:
     ) -> CommFuture:
         """Chunk j of this rank's ``buf`` (along dim 0) goes to rank j; resolves to ``out``."""
         b = as_buffer(buf, "buf")
-        self._rows(_ALLTOALL, b)
+        shape = self._split_shape(_ALLTOALL, b)
         slot, _ = self._choose(_ALLTOALL, b.dtype, None, b.nbytes, backend, b.device)
-        o = self._out(_ALLTOALL, out, b, b.obj.shape)
+        o = self._out(_ALLTOALL, out, b, shape)
         return self._submit(_ALLTOALL, slot, slot.backend.start_alltoall, (slot.group, b, o),
                             b.ranges, o.ranges, o.obj, b.nbytes, after, hold=b.obj, name=name)
 
