@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 from .launch import ROOT
 
@@ -35,3 +38,19 @@ def test_thread_naps_benchmark_prints_its_rows():
     assert [r[0] for r in rows] == ["one 4 B allreduce at a time, per op", "64 x 4 B, per op",
                                     "then 1 MiB over 2 ms of compute"], proc.stdout
     assert all(float(x) > 0 for row in rows for x in row[1:])
+
+
+@pytest.mark.slow
+def test_footprint_benchmark_counts_a_call():
+    """benchmarks/footprint.py under valgrind (about two minutes a call): its row has counts."""
+    if shutil.which("valgrind") is None:
+        pytest.skip("valgrind is not installed")
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/footprint.py", "--calls", "mcrdl", "--n", "20"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = re.search(r"^allreduce\s+mcrdl\s+\|\s+(\d+) \|\s+(\d+)\s+(\d+) \|\s+(\d+)", proc.stdout,
+                    re.M)
+    assert row is not None, proc.stdout
+    assert int(row.group(1)) > 1000 and int(row.group(4)) > 0
