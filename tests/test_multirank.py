@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 import subprocess
@@ -123,12 +124,31 @@ def test_examples_train_like_one_process(n):
     run_suite(n, "tests/multirank/test_examples.py", extra=extra)
 
 
+def _unephemeral_port() -> int:
+    """A free port below the kernel's ephemeral range, for a server that a launched rank
+    binds later. A port the kernel hands out for port 0 comes from that range, from which
+    every outgoing connection (the launcher's, gloo's) draws its local port too: once,
+    between the check and the launch, one took it, and torch's store failed to listen on
+    it (EADDRINUSE)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    for port in random.sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port below the ephemeral range (from {low})")
+
+
 def test_torch_distributed_backend_errors():
     """torch first under mpiexec (env:// from the MPI launcher's rank and size), debug mode:
     a desync and a timeout surface through Work.wait()."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _unephemeral_port()
     run_suite(2, "tests/multirank/test_torch_errors.py",
               env={"MCRDL_DEBUG": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
 
