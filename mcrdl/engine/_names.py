@@ -85,7 +85,6 @@ _AREA_CAP = 1 << 16
 #: member has left to publish, the bytes of this round's name area.
 _HEAD = 3
 _HEAD_WORDS = struct.Struct("<3q")
-_WORD = (1 << 64) - 1
 #: The longest name (UTF-8 bytes).
 MAX_NAME_BYTES = 1024
 #: Keys the response cache holds (a round's row carries a bit per slot: 64 words at most).
@@ -106,10 +105,10 @@ def _bits(mask: int) -> Iterator[int]:
 
 
 def _mask(words: list[int]) -> int:
-    """The slot bits of a row's mask words (int64s, as `Names._post` wrote them)."""
+    """The slot bits of a row's mask words (as `Names._post` wrote them, read unsigned)."""
     mask = 0
     for i, word in enumerate(words):
-        mask |= (word & _WORD) << (64 * i)
+        mask |= word << (64 * i)
     return mask
 
 
@@ -163,6 +162,7 @@ class Names:
         self.current: CommFuture | None = None
         self.rounds = 0
         self.area = 0  # bytes of the next round's name area
+        self.spare: tuple[bytearray, np.ndarray, tuple[Any, Any]] | None = None
         self.changed = False  # an operation became ready during the round in flight
         self.later: float | None = None
         self.backoff = _BACKOFF_MIN
@@ -267,18 +267,27 @@ class Names:
                 names += blob
             else:
                 left += len(blob)
-        data = bytearray(_HEAD_WORDS.pack(self.rounds, left, area))
-        data += self.mask.to_bytes(words * 8, "little")
-        data += names
-        data += bytes(area - len(names))
-        row = np.frombuffer(data, dtype=np.int64).reshape(1, -1)
-        table = np.empty((self.size, row.shape[1]), dtype=np.int64)
+        # The row is written in place: a steady state posts rows of one width every round,
+        # and the previous round's row, table and buffers (`spare`) are free once it ended.
+        width = (_HEAD + words) * 8 + area
+        spare = self.spare
+        if spare is not None and len(spare[0]) == width:
+            data, table, bufs = spare
+            self.spare = None
+        else:
+            data = bytearray(width)
+            row = np.frombuffer(data, dtype=np.int64).reshape(1, -1)
+            table = np.empty((self.size, row.shape[1]), dtype=np.int64)
+            bufs = (new_buffer(row, False, DType.INT64), new_buffer(table, False, DType.INT64))
+        _HEAD_WORDS.pack_into(data, 0, self.rounds, left, area)
+        at = _HEAD * 8
+        data[at:at + words * 8] = self.mask.to_bytes(words * 8, "little")
+        if area:
+            data[at + words * 8:] = names + bytes(area - len(names))
         lane = self.lane
         fut = CommFuture(
-            "agreement", lane, self.rounds, lane.backend.start_allgather,
-            (lane.group, new_buffer(row, False, DType.INT64),
-             new_buffer(table, False, DType.INT64)),
-            _EMPTY, _EMPTY, table, row.nbytes, self._agreed, row)
+            "agreement", lane, self.rounds, lane.backend.start_allgather, (lane.group, *bufs),
+            _EMPTY, _EMPTY, table, width, self._agreed, (data, table, bufs))
         self.current = fut
         self.engine.add_own(fut)
 
@@ -290,8 +299,12 @@ class Names:
         table: np.ndarray = fut._result
         size, me = self.size, self.rank
         words = max(1, (len(self.keys) + 63) // 64)
-        rows = table[:, :_HEAD + words].tolist()  # (one call; Python ints from here on)
-        masks = [_mask(row[_HEAD:_HEAD + words]) for row in rows]
+        # (one call, unsigned: Python ints from here on, each mask word as it was written)
+        rows = table.view(np.uint64)[:, :_HEAD + words].tolist()
+        if words == 1:  # (up to 64 slots)
+            masks = [row[_HEAD] for row in rows]
+        else:
+            masks = [_mask(row[_HEAD:]) for row in rows]
         everywhere = reduce(and_, masks)
         published = self.published
         area = rows[0][2]
@@ -326,7 +339,8 @@ class Names:
         lacking = self._check_signatures(masks, everywhere)  # (with the slots as posted)
         self.evicted = [self._cache(key) for key in agreed]
         self._forget()
-        self.area = min(_AREA_CAP, (max(row[1] for row in rows) + 7) // 8 * 8)
+        self.area = min(_AREA_CAP, (max([row[1] for row in rows]) + 7) // 8 * 8)
+        self.spare = fut.hold  # (the backend is done with them: the next row's)
         left = self.mask or self.fresh
         if placed:
             self.backoff = _BACKOFF_MIN
