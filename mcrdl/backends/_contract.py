@@ -21,6 +21,7 @@ splits it by counts (in dim-0 rows).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from ctypes import memmove
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -300,6 +301,13 @@ class Backend(ABC):
         (``capabilities.waits_in_threads``), a ``threading.Event`` set once it no longer does;
         otherwise None (the default)."""
         return None
+
+    def copy_host(self, copies: Sequence[tuple[int, int, int]]) -> None:
+        """Copy host memory: each ``(dst, src, nbytes)`` of ``copies``, by address (fusion's
+        copies into and out of its buffer, `mcrdl.engine._fusion`). The ranges do not
+        overlap. Default: one ``memmove`` each; a backend may do them all in one call."""
+        for dst, src, nbytes in copies:
+            memmove(dst, src, nbytes)
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release everything; the runtime calls it once, after the engine has drained."""

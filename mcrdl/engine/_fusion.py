@@ -25,7 +25,6 @@ backend, host or device memory: `Communicator._signature`) and the agreed order.
 from __future__ import annotations
 
 import weakref
-from ctypes import memmove
 from typing import TYPE_CHECKING, Any
 
 from .._buffers import Buffer, new_buffer
@@ -67,21 +66,22 @@ def carried(obj: Any) -> list[Any]:
     """The caller's objects whose bytes ``obj``, a fusion buffer as a backend was given it,
     carries ([] for any other object): a simulated world fires a fault injected on a
     member's buffer on its carrier (`mcrdl.testing`)."""
-    return _CARRIED.get(id(obj), [])
+    fused = _CARRIED.get(id(obj))
+    return [] if fused is None else [b.obj for _, b in fused.members]
 
 
-#: id(fusion buffer given to a backend) -> the members' objects, while that buffer lives.
-_CARRIED: dict[int, list[Any]] = {}
+#: id(fusion buffer given to a backend) -> its `_Fused`, while that buffer lives.
+_CARRIED: dict[int, _Fused] = {}
 
 
 def _never() -> None:
     raise RuntimeError("a fused operation is issued by its carrier, never on its own")
 
 
-#: Spare fusion buffers of ``fusion_bytes`` (of the runtime that made them), by (torch or
-#: numpy, dtype): a fresh one costs a page fault per 4 KiB at its first use, more than the
-#: copies at 64 KiB a member.
-_SPARES: dict[tuple[bool, Any], list[Any]] = {}
+#: Spare fusion buffers of ``fusion_bytes`` (of the runtime that made them), each with its
+#: length in elements, by (torch or numpy, dtype): a fresh one costs a page fault per 4 KiB
+#: at its first use, more than the copies at 64 KiB a member.
+_SPARES: dict[tuple[bool, Any], list[tuple[int, Any]]] = {}
 _MAX_SPARES = 2
 
 
@@ -115,28 +115,34 @@ class _Fused:
         may still write it.)"""
         proto = self.proto
         spares = _SPARES.get((proto.is_torch, proto.obj.dtype))
-        whole = spares.pop() if spares else None
-        if whole is None or len(whole) < self.numel:  # (made for a smaller fusion_bytes)
-            whole = proto.empty((max(self.limit // proto.obj.itemsize, self.numel),))
-        self.whole = whole
+        spare = spares.pop() if spares else None
+        if spare is None or spare[0] < self.numel:  # (made for a smaller fusion_bytes)
+            length = max(self.limit // proto.obj.itemsize, self.numel)
+            spare = (length, proto.empty((length,)))
+        self.whole = spare
+        whole = spare[1]
         self.carrier.hold = (self.carrier.hold, whole)
         obj = whole[:self.numel]
-        _CARRIED[id(obj)] = [b.obj for _, b in self.members]
+        _CARRIED[id(obj)] = self
         weakref.finalize(obj, _CARRIED.pop, id(obj), None)
         self.addr = at = obj.data_ptr() if proto.is_torch else obj.ctypes.data
+        copies = []
         for _, b in self.members:
-            memmove(at, b.addr, b.nbytes)
+            copies.append((at, b.addr, b.nbytes))
             at += b.nbytes
+        self.carrier.lane.backend.copy_host(copies)
         return self.start_op(self.group, new_buffer(obj, proto.is_torch, proto.dtype),  # type: ignore[misc]
                              self.op)
 
     def finish(self, carrier: CommFuture) -> None:
         """Copy each member's share of the result back, then run the carrier's own step."""
         at = self.addr
+        copies = []
         for fut, b in self.members:
             if fut._state == ISSUED:  # (the carrier, and what it carries: Engine._carry)
-                memmove(b.addr, at, b.nbytes)
+                copies.append((b.addr, at, b.nbytes))
             at += b.nbytes
+        carrier.lane.backend.copy_host(copies)
         proto = self.proto
         spares = _SPARES.setdefault((proto.is_torch, proto.obj.dtype), [])
         if len(spares) < _MAX_SPARES:

@@ -294,6 +294,33 @@ def test_small_named_allreduces_are_fused_and_each_gets_its_own_result(comm, mon
     assert max(starts) == _fusion.FUSE_OP_BYTES + 4 and sorted(starts)[-2] <= 96, starts
 
 
+def test_a_large_fused_group_copies_each_member_in_and_out(comm, monkeypatch):
+    """64 small named allreduces fuse into one group, whose copies into and out of the fusion
+    buffer the MPI backend makes in one call each (two indexed datatypes and a sendrecv to
+    itself, `MPIBackend.copy_host`); each member, of 1 to 3 elements, gets its own sum."""
+    from mcrdl.backends.mpi import COPY_BY_TYPES, MPIBackend
+
+    batches = []
+    real = MPIBackend.copy_host
+
+    def counted(self, copies):
+        batches.append(len(copies))
+        return real(self, copies)
+
+    monkeypatch.setattr(MPIBackend, "copy_host", counted)
+    n, r = comm.size, comm.rank
+    bufs = [torch.full((1 + i % 3,), float(r + i)) for i in range(64)]
+    order = list(range(len(bufs)))
+    random.Random(r).shuffle(order)
+    futs = [comm.allreduce(bufs[i], backend="mpi", name=f"g{i}") for i in order]
+    for f in futs:
+        f.wait()
+    for i, buf in enumerate(bufs):
+        expected = float(sum(range(n)) + n * i)
+        assert buf.tolist() == [expected] * len(buf), (i, buf.tolist(), expected)
+    assert max(batches) >= COPY_BY_TYPES, batches
+
+
 def test_a_task_whose_named_operation_finished_meanwhile_does_not_poll(comm):
     """Tasks each awaiting a named allreduce that the main flow drove to the end while they
     waited for their first loop iteration return at once, with no poll (they did 64 each)."""
