@@ -95,9 +95,17 @@ class _Fused:
         carrier = futs[0]
         group, buf, op = carrier.args  # type: ignore[misc]
         self.carrier = carrier
-        self.members: list[tuple[CommFuture, Buffer]] = [(f, f.args[1]) for f in futs]  # type: ignore[index]
+        self.members: list[tuple[CommFuture, Buffer]] = []
+        nbytes = 0
+        for fut in futs:
+            member = fut.args[1]  # type: ignore[index]
+            self.members.append((fut, member))
+            nbytes += member.nbytes
+            if fut is not carrier:
+                fut.carrier = carrier
+                fut.start, fut.args = _never, ()
         self.proto = buf
-        self.numel = sum(b.nbytes for _, b in self.members) // buf.obj.itemsize
+        self.numel = nbytes // buf.obj.itemsize
         self.limit = limit
         self.whole: Any = None
         self.addr = 0
@@ -105,9 +113,6 @@ class _Fused:
         self.finish_op = carrier.finish
         carrier.start, carrier.args, carrier.finish = self.start, (), self.finish
         carrier.carried = futs[1:]  # (issued with it, ended with it: Engine._carry)
-        for fut in futs[1:]:
-            fut.carrier = carrier
-            fut.start, fut.args = _never, ()
 
     def start(self) -> Any:
         """Copy every member's bytes into a fusion buffer, and start its allreduce. (The
