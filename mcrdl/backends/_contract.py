@@ -21,8 +21,8 @@ splits it by counts (in dim-0 rows).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from ctypes import memmove
 from collections.abc import Mapping, Sequence
+from ctypes import memmove
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 

@@ -138,6 +138,8 @@ class Names:
       (the same on every member: each learns them from the same tables).
     - ``current`` is the round in flight (one at a time), None when none is; ``later`` the
       time at which to post the next one (None: at the next arrival only).
+    - ``spare``, when set, is the last round that ended: its row's bytes, its table and their
+      buffers, which no backend uses any more; the next round of the same width reuses them.
     """
 
     def __init__(self, engine: Engine, comm: CommState, lane: Lane,
