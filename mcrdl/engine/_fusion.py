@@ -79,17 +79,19 @@ def _never() -> None:
 
 
 #: Spare fusion buffers of ``fusion_bytes`` (of the runtime that made them), each with its
-#: length in elements, by (torch or numpy, dtype): a fresh one costs a page fault per 4 KiB
-#: at its first use, more than the copies at 64 KiB a member.
-_SPARES: dict[tuple[bool, Any], list[tuple[int, Any]]] = {}
+#: length in elements and its views by length, by (torch or numpy, dtype): a fresh one costs
+#: a page fault per 4 KiB at its first use, more than the copies at 64 KiB a member.
+_SPARES: dict[tuple[bool, Any], list[tuple[int, Any, dict[int, Any]]]] = {}
 _MAX_SPARES = 2
+#: Views a spare keeps (groups of that many lengths in turn reuse theirs).
+_MAX_VIEWS = 8
 
 
 class _Fused:
     """One fused allreduce: the carrier's start and finishing step, and what they copy."""
 
-    __slots__ = ("carrier", "members", "proto", "numel", "limit", "whole", "addr", "start_op",
-                 "group", "op", "finish_op")
+    __slots__ = ("carrier", "members", "proto", "numel", "limit", "whole", "view", "addr",
+                 "start_op", "group", "op", "finish_op")
 
     def __init__(self, futs: list[CommFuture], limit: int) -> None:
         carrier = futs[0]
@@ -108,6 +110,7 @@ class _Fused:
         self.numel = nbytes // buf.obj.itemsize
         self.limit = limit
         self.whole: Any = None
+        self.view: Any = None
         self.addr = 0
         self.start_op, self.group, self.op = carrier.start, group, op
         self.finish_op = carrier.finish
@@ -123,13 +126,20 @@ class _Fused:
         spare = spares.pop() if spares else None
         if spare is None or spare[0] < self.numel:  # (made for a smaller fusion_bytes)
             length = max(self.limit // proto.obj.itemsize, self.numel)
-            spare = (length, proto.empty((length,)))
+            spare = (length, proto.empty((length,)), {})
         self.whole = spare
-        whole = spare[1]
+        _, whole, views = spare
         self.carrier.hold = (self.carrier.hold, whole)
-        obj = whole[:self.numel]
-        _CARRIED[id(obj)] = self
-        weakref.finalize(obj, _CARRIED.pop, id(obj), None)
+        # The spare's view of the group's length: a step fuses groups of the same lengths
+        # every iteration, and slicing a tensor took 8 µs of a group's start.
+        obj = views.get(self.numel)
+        if obj is None:
+            if len(views) >= _MAX_VIEWS:
+                views.clear()
+            obj = views[self.numel] = whole[:self.numel]
+            weakref.finalize(obj, _CARRIED.pop, id(obj), None)
+        _CARRIED[id(obj)] = self  # (until it ends: finish)
+        self.view = obj
         self.addr = at = obj.data_ptr() if proto.is_torch else obj.ctypes.data
         copies = []
         for _, b in self.members:
@@ -148,6 +158,8 @@ class _Fused:
                 copies.append((b.addr, at, b.nbytes))
             at += b.nbytes
         carrier.lane.backend.copy_host(copies)
+        _CARRIED.pop(id(self.view), None)  # (the members' objects are not kept)
+        self.view = None
         proto = self.proto
         spares = _SPARES.setdefault((proto.is_torch, proto.obj.dtype), [])
         if len(spares) < _MAX_SPARES:
