@@ -303,6 +303,42 @@ def test_a_wait_spins_on_the_only_request_in_flight_with_a_queue_behind_it():
     assert engine.in_flight() == 0
 
 
+@pytest.mark.parametrize("spin_polls", [64, 0])  # (its first polls in place, or none)
+def test_an_await_spins_on_its_operation_once_a_poll_issues_it(spin_polls):
+    """An awaited operation that one of the awaiting task's polls issues (it waited behind
+    another in its lane, as on MPI's window of one; a named one waits for its agreement) is
+    then spun on alone, as ``await`` spins first (Engine.spin_lone): polled with a loop
+    iteration between polls, a large MPI message moves only at each poll."""
+    from dataclasses import replace
+
+    from mcrdl.engine import PollPolicy
+
+    backend = Counting(after=4)
+    backend.capabilities = replace(backend.capabilities, issue_window=1)
+    engine = Engine(background=False, policy=PollPolicy(spin_polls=spin_polls))
+    submit(engine, backend, "allreduce", writes=[(0x1000, 0x1008)])
+    second = submit(engine, backend, "allreduce", writes=[(0x2000, 0x2008)])
+    assert len(backend.started) == 1
+    backend.started[0].done = True  # the next poll settles it and issues the second
+    rescued = []
+
+    async def main():
+        async def rescue():  # runs only if the awaiting task yields to the loop
+            while not second.done():
+                if len(backend.started) > 1:
+                    backend.started[1].done = True
+                    rescued.append(True)
+                await asyncio.sleep(0)
+
+        task = asyncio.ensure_future(rescue())
+        await second
+        await task
+
+    asyncio.run(main())
+    assert second.done() and not rescued
+    assert backend.one_tests == 4  # by the spin's direct tests
+
+
 def _until(predicate, seconds=5.0):
     import time
 
