@@ -66,12 +66,13 @@ def carried(obj: Any) -> list[Any]:
     """The caller's objects whose bytes ``obj``, a fusion buffer as a backend was given it,
     carries ([] for any other object): a simulated world fires a fault injected on a
     member's buffer on its carrier (`mcrdl.testing`)."""
-    fused = _CARRIED.get(id(obj))
-    return [] if fused is None else [b.obj for _, b in fused.members]
+    return [b.obj for _, b in _CARRIED.get(id(obj), ())]
 
 
-#: id(fusion buffer given to a backend) -> its `_Fused`, while that buffer lives.
-_CARRIED: dict[int, _Fused] = {}
+#: id(fusion buffer given to a backend) -> its group's members, while the group runs (its
+#: `_Fused` itself is not kept: it holds the spare buffer, whose views live as long as it, and
+#: a failed group, which never gets to its finish, would then be kept for good).
+_CARRIED: dict[int, list[tuple[CommFuture, Buffer]]] = {}
 
 
 def _never() -> None:
@@ -138,7 +139,7 @@ class _Fused:
                 views.clear()
             obj = views[self.numel] = whole[:self.numel]
             weakref.finalize(obj, _CARRIED.pop, id(obj), None)
-        _CARRIED[id(obj)] = self  # (until it ends: finish)
+        _CARRIED[id(obj)] = self.members  # (until it ends: finish, or the view's end)
         self.view = obj
         self.addr = at = obj.data_ptr() if proto.is_torch else obj.ctypes.data
         copies = []

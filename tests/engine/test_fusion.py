@@ -101,6 +101,28 @@ def test_a_carrier_failing_in_flight_fails_its_members_and_leaves_the_communicat
     assert later[0].state == "ISSUED"
 
 
+@pytest.mark.parametrize("error", [None, BackendError("lost a message")])
+def test_a_fused_group_keeps_no_members_buffer_once_it_ended(engine, mpi, error):
+    """Done or failed, once the caller and the backend let go, nothing of the fusion's keeps
+    a member's buffer (its entry for a simulated world's faults included): the spare buffer
+    and its views outlive the group, the members' objects must not."""
+    import gc
+    import weakref
+
+    arrays = [np.full(2, 1.0), np.full(2, 2.0)]
+    futs = _agreed(engine, mpi, arrays)
+    view = mpi.started[0].args[1].obj
+    assert _fusion.carried(view) == arrays  # in flight: the simulated world sees them
+    mpi.finish(mpi.started[0], error)
+    engine.poll_once()
+    assert [f.state for f in futs] == ["FAILED" if error else "DONE"] * 2
+    refs = [weakref.ref(a) for a in arrays]
+    del arrays, futs, view
+    mpi.started.clear()
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+
+
 def test_members_time_out_and_are_given_up_with_their_carrier(clock, mpi):
     """A timeout names every operation of the group (the flight recorder's and the hook's
     lists), each failing with CommTimeoutError; finalize's fail_all gives each its error."""
