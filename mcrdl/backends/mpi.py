@@ -312,17 +312,17 @@ class MPIBackend(Backend):
             return
         MPI = self._MPI
         lengths = [n for _, _, n in copies]
-        src = MPI.BYTE.Create_hindexed(lengths, [a for _, a, _ in copies]).Commit()
+        types = []  # (sources, destinations)
         try:
-            dst = MPI.BYTE.Create_hindexed(lengths, [a for a, _, _ in copies]).Commit()
-            try:
-                self._self.Sendrecv([MPI.BOTTOM, 1, src], 0, 0, [MPI.BOTTOM, 1, dst], 0, 0)
-            finally:
-                dst.Free()
+            for addresses in ([a for _, a, _ in copies], [a for a, _, _ in copies]):
+                types.append(MPI.BYTE.Create_hindexed(lengths, addresses).Commit())
+            src, dst = types
+            self._self.Sendrecv([MPI.BOTTOM, 1, src], 0, 0, [MPI.BOTTOM, 1, dst], 0, 0)
         except MPI.Exception as exc:
             raise self._error(exc) from exc
         finally:
-            src.Free()
+            for datatype in types:
+                datatype.Free()
 
     # -- operations ----------------------------------------------------------------------
 
