@@ -339,6 +339,40 @@ def test_an_await_spins_on_its_operation_once_a_poll_issues_it(spin_polls):
     assert backend.one_tests == 4  # by the spin's direct tests
 
 
+class _FirstEndsAtPoll(Counting):
+    """Counting, whose first request finishes at the ``poll``-th general test."""
+
+    def __init__(self, poll: int):
+        super().__init__(after=4)  # the others only by direct tests (the spin's)
+        self.poll = poll
+
+    def test(self, requests):
+        if self.tests + 1 == self.poll:
+            self.started[0].done = True
+        return super().test(requests)
+
+
+@pytest.mark.parametrize("poll", [1, 3])  # the waiter's first poll, or one in its loop
+@pytest.mark.parametrize("spin_polls", [64, 0])  # (its first polls spun, or none)
+def test_a_wait_spins_on_its_operation_once_a_poll_issues_it(spin_polls, poll):
+    """``wait()`` as ``await``: an operation that one of the waiter's polls issues (behind
+    another in MPI's window of one; a named one once its members agreed) is then spun on
+    alone with direct tests (Engine.spin_lone), where a poll walks every track."""
+    from dataclasses import replace
+
+    from mcrdl.engine import PollPolicy
+
+    backend = _FirstEndsAtPoll(poll)
+    backend.capabilities = replace(backend.capabilities, issue_window=1)
+    engine = Engine(background=False, policy=PollPolicy(spin_polls=spin_polls))
+    submit(engine, backend, "allreduce", writes=[(0x1000, 0x1008)])
+    second = submit(engine, backend, "allreduce", writes=[(0x2000, 0x2008)])
+    assert len(backend.started) == 1
+    assert second.wait(timeout=2.0) is None
+    assert backend.tests == poll and backend.one_tests == 4
+    assert engine.in_flight() == 0
+
+
 def _until(predicate, seconds=5.0):
     import time
 
