@@ -71,6 +71,7 @@ from .._errors import DesyncError
 from .._types import DType
 from ._fusion import fuse
 from ._future import CommFuture
+from ._progress import AGREEMENT_KIND
 from ._states import DONE
 
 if TYPE_CHECKING:
@@ -288,7 +289,7 @@ class Names:
             data[at + words * 8:] = names + bytes(area - len(names))
         lane = self.lane
         fut = CommFuture(
-            "agreement", lane, self.rounds, lane.backend.start_allgather, (lane.group, *bufs),
+            AGREEMENT_KIND, lane, self.rounds, lane.backend.start_allgather, (lane.group, *bufs),
             _EMPTY, _EMPTY, table, width, self._agreed, (data, table, bufs))
         self.current = fut
         self.engine.add_own(fut)

@@ -87,6 +87,11 @@ _IN_STEP = (CommBrokenError, DesyncError)
 #: The kind of debug mode's fingerprint checks (``Communicator._checked``).
 CHECK_KIND = "fingerprint"
 
+#: The kind of a `Names` agreement round. One that fails here, in flight or in its finishing
+#: step, breaks its communicator: its peers place what they agreed on, and this member no
+#: longer knows what that is (rule 8 of DESIGN.md).
+AGREEMENT_KIND = "agreement"
+
 #: Zombies left unfinished when their engine closed, with the monotonic time by which their
 #: backend gives up on them: their requests and the memory their backends may still use are
 #: kept for the rest of the process, past the interpreter's teardown (`forever`: MPI_Finalize
@@ -874,7 +879,8 @@ class Engine:
             # Break before the lane moves on: issuing the operation behind this one first
             # would let the peers match it in this one's place (rule 7 of DESIGN.md).
             if (lane.size > 1
-                    and (state == PENDING or isinstance(error, _NOT_AS_ISSUED))
+                    and (state == PENDING or isinstance(error, _NOT_AS_ISSUED)
+                         or fut.kind == AGREEMENT_KIND)
                     and not isinstance(error, _IN_STEP)):
                 # Where this rank stops: at an operation that never reached the peers, or
                 # never ran here and holds up the work behind it on an in-order lane (found
@@ -882,7 +888,9 @@ class Engine:
                 stops_here = (state == PENDING or isinstance(error, StartError)
                               or lane.in_order)
                 if lane.comm.broken is None or stops_here:
-                    self._break(lane.comm, f"on rank {lane.rank}, {error}",
+                    why = (f"{fut.kind}#{fut.seq} on {lane.backend_name}: {error}"
+                           if fut.kind == AGREEMENT_KIND and state == ISSUED else error)
+                    self._break(lane.comm, f"on rank {lane.rank}, {why}",
                                 fut if stops_here else None)
         if state == PENDING:
             route = fut._route

@@ -317,6 +317,44 @@ def test_an_operation_ready_under_an_evicted_name_is_offered_by_name_again(monke
     assert all(o[3] == [("b", o[3][0][1])] for o in out), out
 
 
+@pytest.mark.parametrize("kind", ["error", "start"])
+def test_a_round_failing_on_one_member_breaks_the_communicator_on_every_member(monkeypatch,
+                                                                               kind):
+    """Rank 0's first agreement round fails (``"error"``: it ran, then its backend reported
+    a failure there; ``"start"``: it never reached the peers). Rank 0 does not know what the
+    members agreed on, which the peers go on to place and issue: the named operation fails
+    on every member with CommBrokenError naming the round, and so does what follows on the
+    communicator. (A round that failed in flight used to leave its operations waiting here
+    until the timeout, which then blamed the peers for not submitting them.)"""
+    comms = {}
+    real = SimWorld.fault
+
+    def fault(world, args):
+        names = comms[0]._names if 0 in comms else None
+        current = names.current if names is not None else None
+        if (current is not None and current.seq == 1 and current.args is not None
+                and any(a is current.args[1] for a in args)):  # (its row)
+            return kind
+        return real(world, args)
+
+    monkeypatch.setattr(SimWorld, "fault", fault)
+
+    def program(comm):
+        comms[comm.rank] = comm
+        outcomes = []
+        for name, backend in (("a", "mpi"), (None, "mpi"), (None, "gloo")):
+            try:
+                comm.allreduce(np.ones(4), name=name, backend=backend).wait()
+                outcomes.append("done")
+            except CommBrokenError as exc:
+                outcomes.append(str(exc))
+        return outcomes
+
+    out = SimWorld(2, MPI_LIKE, seed=1, timeout=600.0).run(program)
+    for outcomes in out:
+        assert all("on rank 0, agreement#1 on mpi" in text for text in outcomes), outcomes
+
+
 # -- fusion (engine._fusion) -------------------------------------------------------------
 
 def _fused_fault(kind):
