@@ -25,6 +25,12 @@ more``: unnamed tasks that yield once between their submission and their await),
 learns it within its first step, by a round of its own (``a round each``: unnamed tasks that
 first run a raw mpi4py ``Allgather`` of 8 bytes, the least such a round costs). The lower of
 the two is a floor under the named ratio of that row for any way of agreeing.
+
+In mode ``loop`` the last column (``a round a step``) times unnamed steps with a raw mpi4py
+``Allgather`` of 8 bytes between the submissions and the waits: the least one agreement a
+step adds, with nothing a name costs per operation. The named ratio's excess over it is the
+engine's own cost of naming (its checks, its bookkeeping, its placing), which a faster
+engine could shrink; the floors of mode ``tasks`` no engine can go under.
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ def main() -> None:
         loop = asyncio.new_event_loop()
     from mpi4py import MPI
 
-    raw = MPI.COMM_WORLD.Dup()  # the rounds of column "a round each"
+    raw = MPI.COMM_WORLD.Dup()  # the rounds of columns "a round each" and "a round a step"
     row, table = bytearray(8), bytearray(8 * comm.size)
     rows = []
     for size in sizes:
@@ -98,9 +104,11 @@ def main() -> None:
 
                 return lambda: loop.run_until_complete(step())
 
-            def loop_step(named: bool) -> None:
+            def loop_step(named: bool, round_first: bool = False) -> None:
                 futs = [comm.allreduce(bufs[i], backend=backend,
                                        name=names[i] if named else None) for i in range(k)]
+                if round_first:
+                    raw.Allgather(row, table)  # the least one agreement a step costs
                 for fut in futs:
                     fut.wait()
 
@@ -118,12 +126,13 @@ def main() -> None:
                 a, b = alternate(unnamed, named, iters)
                 rounds = (comm._names.rounds - rounds0) / iters
                 ua, nb = statistics.median(a) / k, statistics.median(b) / k
-                floors = None
-                if mode == "tasks":  # unnamed, with what any agreement adds (docstring)
-                    floors = []
-                    for body in (one_step_more, one_round_more):
-                        a2, b2 = alternate(unnamed, tasks(body), iters)
-                        floors.append(statistics.median(b2) / statistics.median(a2))
+                # unnamed, with what any agreement adds (docstring)
+                bodies = ((tasks(one_step_more), tasks(one_round_more)) if mode == "tasks"
+                          else (lambda: loop_step(False, round_first=True),))
+                floors = []
+                for body in bodies:
+                    a2, b2 = alternate(unnamed, body, iters)
+                    floors.append(statistics.median(b2) / statistics.median(a2))
                 rows.append((mode, size, k, ua, nb, rounds, floors))
     rank = comm.rank
     size_w = comm.size
@@ -134,11 +143,13 @@ def main() -> None:
     print(f"# named vs unnamed allreduce on {backend}, {size_w} ranks, tasks on {args.loop}, "
           f"fusion {args.fusion} (median per operation, rank 0)")
     print(f"{'mode':<5} {'size':>6} {'in flight':>9} | {'unnamed µs':>10} {'named µs':>10} "
-          f"{'ratio':>6} {'rounds/step':>11} | {'a step more':>11} {'a round each':>12}")
+          f"{'ratio':>6} {'rounds/step':>11} | {'a step more':>11} {'a round each':>12} "
+          f"{'a round a step':>14}")
     for mode, size, k, ua, nb, rounds, floors in rows:
-        more, each = ("-", "-") if floors is None else (f"{f:.2f}" for f in floors)
+        cells = [f"{f:.2f}" for f in floors]
+        more, each, once = [*cells, "-"] if mode == "tasks" else ["-", "-", *cells]
         print(f"{mode:<5} {human(size):>6} {k:>9} | {ua * 1e6:10.2f} {nb * 1e6:10.2f} "
-              f"{nb / ua:6.2f} {rounds:11.2f} | {more:>11} {each:>12}")
+              f"{nb / ua:6.2f} {rounds:11.2f} | {more:>11} {each:>12} {once:>14}")
 
 
 if __name__ == "__main__":
