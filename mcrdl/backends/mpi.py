@@ -311,10 +311,10 @@ class MPIBackend(Backend):
             super().copy_host(copies)
             return
         MPI = self._MPI
-        lengths = [n for _, _, n in copies]
+        destinations, sources, lengths = zip(*copies)
         types = []  # (sources, destinations)
         try:
-            for addresses in ([a for _, a, _ in copies], [a for a, _, _ in copies]):
+            for addresses in (sources, destinations):
                 types.append(MPI.BYTE.Create_hindexed(lengths, addresses).Commit())
             src, dst = types
             self._self.Sendrecv([MPI.BOTTOM, 1, src], 0, 0, [MPI.BOTTOM, 1, dst], 0, 0)
