@@ -91,7 +91,7 @@ _MAX_VIEWS = 8
 class _Fused:
     """One fused allreduce: the carrier's start and finishing step, and what they copy."""
 
-    __slots__ = ("carrier", "members", "proto", "numel", "limit", "whole", "view", "addr",
+    __slots__ = ("carrier", "members", "proto", "numel", "limit", "spare", "view", "addr",
                  "start_op", "group", "op", "finish_op")
 
     def __init__(self, futs: list[CommFuture], limit: int) -> None:
@@ -110,7 +110,7 @@ class _Fused:
         self.proto = buf
         self.numel = nbytes // buf.obj.itemsize
         self.limit = limit
-        self.whole: Any = None
+        self.spare: Any = None  # (length, whole buffer, views by length) while it runs
         self.view: Any = None
         self.addr = 0
         self.start_op, self.group, self.op = carrier.start, group, op
@@ -128,7 +128,7 @@ class _Fused:
         if spare is None or spare[0] < self.numel:  # (made for a smaller fusion_bytes)
             length = max(self.limit // proto.obj.itemsize, self.numel)
             spare = (length, proto.empty((length,)), {})
-        self.whole = spare
+        self.spare = spare
         _, whole, views = spare
         self.carrier.hold = (self.carrier.hold, whole)
         # The spare's view of the group's length: a step fuses groups of the same lengths
@@ -164,7 +164,7 @@ class _Fused:
         proto = self.proto
         spares = _SPARES.setdefault((proto.is_torch, proto.obj.dtype), [])
         if len(spares) < _MAX_SPARES:
-            spares.append(self.whole)
-        self.whole = None
+            spares.append(self.spare)
+        self.spare = None
         if self.finish_op is not None:
             self.finish_op(carrier)
