@@ -1,7 +1,7 @@
 """What naming collectives costs (rule 8: matched by name in an order the members agree on).
 
     mpiexec -n 2 python benchmarks/named.py [--backend mpi] [--sizes 4,64K,4M] [--inflight 1,8,64]
-                                            [--loop asyncio|uvloop] [--fusion on|off]
+                                            [--loop asyncio|uvloop] [--fusion on|off] [--phases]
 
 A *step* submits ``k`` allreduces of one size, and waits for them all: in mode ``tasks`` each
 from an asyncio task of its own (the way gradient buckets or pipeline micro-batches run), in
@@ -31,6 +31,13 @@ In mode ``loop`` the last column (``a round a step``) times unnamed steps with a
 step adds, with nothing a name costs per operation. The named ratio's excess over it is the
 engine's own cost of naming (its checks, its bookkeeping, its placing), which a faster
 engine could shrink; the floors of mode ``tasks`` no engine can go under.
+
+``--phases`` also times the steps, named and unnamed alternately, each after a barrier, on
+every rank (medians, µs from the step's start): its last submission, its first operation's
+issue, its last operation's end, and its return. Unnamed operations are issued as they are
+submitted (as MPI's window of one collective in flight allows), so they drain while the
+others are submitted; named ones wait for a round, which waits for every rank's last
+submission.
 """
 
 from __future__ import annotations
@@ -39,8 +46,10 @@ import argparse
 import asyncio
 import statistics
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -63,6 +72,8 @@ def main() -> None:
     parser.add_argument("--fusion", choices=("on", "off"), default="on",
                         help="off: init(fusion_bytes=0), no named allreduce fused with others "
                              "(engine._fusion), to see what fusion contributes")
+    parser.add_argument("--phases", action="store_true",
+                        help="also time each step's phases on every rank (docstring)")
     args = parser.parse_args()
     sizes = parse_sizes(args.sizes)
     ks = [int(k) for k in args.inflight.split(",")]
@@ -79,6 +90,7 @@ def main() -> None:
     raw = MPI.COMM_WORLD.Dup()  # the rounds of columns "a round each" and "a round a step"
     row, table = bytearray(8), bytearray(8 * comm.size)
     rows = []
+    phase_rows = []
     for size in sizes:
         for k in ks:
             bufs = [torch.zeros(max(1, size // 4)) for _ in range(k)]
@@ -97,6 +109,13 @@ def main() -> None:
                 raw.Allgather(row, table)  # the least an agreement of its own would cost
                 await comm.allreduce(bufs[i], backend=backend)
 
+            futs: list[mcrdl.CommFuture] = []
+
+            async def kept(i: int, named: bool) -> None:
+                fut = comm.allreduce(bufs[i], backend=backend, name=names[i] if named else None)
+                futs.append(fut)
+                await fut
+
             def tasks(body):
                 """A step of mode tasks: ``body(i)`` as a task of its own for each i."""
                 async def step() -> None:
@@ -105,8 +124,8 @@ def main() -> None:
                 return lambda: loop.run_until_complete(step())
 
             def loop_step(named: bool, round_first: bool = False) -> None:
-                futs = [comm.allreduce(bufs[i], backend=backend,
-                                       name=names[i] if named else None) for i in range(k)]
+                futs[:] = [comm.allreduce(bufs[i], backend=backend,
+                                          name=names[i] if named else None) for i in range(k)]
                 if round_first:
                     raw.Allgather(row, table)  # the least one agreement a step costs
                 for fut in futs:
@@ -134,6 +153,11 @@ def main() -> None:
                     a2, b2 = alternate(unnamed, body, iters)
                     floors.append(statistics.median(b2) / statistics.median(a2))
                 rows.append((mode, size, k, ua, nb, rounds, floors))
+                if args.phases:
+                    steps = {"tasks": (tasks(lambda i: kept(i, False)),
+                                       tasks(lambda i: kept(i, True))),
+                             "loop": modes["loop"]}[mode]
+                    phase_rows.append((mode, size, k, _phases(comm, raw, steps, futs, iters)))
     rank = comm.rank
     size_w = comm.size
     raw.Free()
@@ -150,6 +174,38 @@ def main() -> None:
         more, each, once = [*cells, "-"] if mode == "tasks" else ["-", "-", *cells]
         print(f"{mode:<5} {human(size):>6} {k:>9} | {ua * 1e6:10.2f} {nb * 1e6:10.2f} "
               f"{nb / ua:6.2f} {rounds:11.2f} | {more:>11} {each:>12} {once:>14}")
+    if phase_rows:
+        print("\n# each step's phases, each rank's medians, µs from the step's start: last "
+              "submission, first issue, last end, return; the returns' ratio")
+        print(f"{'mode':<5} {'size':>6} {'in flight':>9} {'rank':>4} | {'unnamed':^27} | "
+              f"{'named':^27} | {'ratio':>5}")
+        for mode, size, k, table_ in phase_rows:
+            for r, cells in enumerate(table_):
+                u, n = (" ".join(f"{c:6.0f}" for c in half) for half in (cells[:4], cells[4:]))
+                print(f"{mode:<5} {human(size):>6} {k:>9} {r:>4} | {u} | {n} | "
+                      f"{cells[7] / cells[3]:5.2f}")
+
+
+def _phases(comm, raw, steps, futs, iters: int):
+    """Every rank's median phases of the ``steps`` (unnamed, named), alternated, each after a
+    barrier: rows of 8 µs figures, unnamed then named (module docstring)."""
+    clock = time.perf_counter
+    split: tuple[list[tuple[float, ...]], list[tuple[float, ...]]] = ([], [])
+    for i in range(2 * iters):
+        named = (i + i // 2) % 2  # A B B A: neither always runs first
+        futs.clear()
+        comm.barrier(backend="mpi").wait()
+        t0 = clock()
+        steps[named]()
+        t1 = clock()
+        last = max(f.t_submit for f in futs)
+        first = min(f.t_issue for f in futs)
+        done = max(f.t_done for f in futs)
+        split[named].append((last - t0, first - t0, done - t0, t1 - t0))
+    mine = np.array([statistics.median(col) * 1e6 for half in split for col in zip(*half)])
+    table = np.empty((comm.size, 8))
+    raw.Allgather(mine, table)
+    return table
 
 
 if __name__ == "__main__":
