@@ -111,6 +111,19 @@ def test_with_statement_finalizes():
     mcrdl.finalize()  # idempotent, and a no-op without a live runtime
 
 
+def test_a_process_alone_in_its_mpi_world_exits_without_the_alarm_after_failures():
+    """After operations failed, the exit arms an alarm that bounds MPI_Finalize, which can
+    wait for a peer that never comes; a process alone in its MPI world has none, and exits
+    as usual (before, every single-process program, the test runner included, printed the
+    warning and ran MPI_Finalize under the alarm)."""
+    code = ("import mcrdl, mcrdl._runtime as r; mcrdl.init(backends='mpi'); "
+            "r._unhealthy = True")  # (what finalize sets once an operation failed)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "MPI_Finalize has" not in proc.stderr, proc.stderr
+
+
 def test_init_twice_is_refused_and_reinit_after_finalize_works():
     mcrdl.init()
     try:
