@@ -185,8 +185,14 @@ def wait(engine: Engine, fut: CommFuture, timeout: float | None, until: int = DO
     """Poll from the calling thread until ``fut`` is done (or, with ``until=ISSUED``, issued)
     or ``timeout`` seconds passed."""
     poll = engine.poll_once
+    # After a poll that moved something, the operation may be issued (a named one once its
+    # members agreed, one that waited behind others in its lane): spin on it alone, as
+    # CommFuture.wait and __await__ do first (Engine.spin_lone), here and below. Polled with
+    # a loop iteration between polls, an MPI message moves only at each poll: named 64 KiB
+    # allreduces awaited from 8 tasks took 1.23-1.56x unnamed ones that way, 1.24-1.39x spun
+    # on (docs/performance.md).
     if poll() and until == DONE:
-        _spun(engine, fut)  # (as after each poll below that moved something)
+        engine.spin_lone(fut)
     if fut._state >= until:
         engine.last_active = engine._clock()
         return
@@ -206,7 +212,7 @@ def wait(engine: Engine, fut: CommFuture, timeout: float | None, until: int = DO
         idle = 0
         while fut._state < until:
             if poll():
-                if until == DONE and _spun(engine, fut):
+                if until == DONE and engine.spin_lone(fut):
                     return
                 idle = 0
                 spin = policy.spin_polls if engine.spin_ok() else 0
@@ -281,18 +287,6 @@ def _set_none(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-def _spun(engine: Engine, fut: CommFuture) -> bool:
-    """After a poll that moved something: if it issued ``fut`` (a named operation once its
-    members agreed, one that waited behind others in its lane), spin on it alone
-    (`Engine.spin_lone`), as ``CommFuture.wait`` and ``__await__`` do first; True if that
-    finished it. ``wait`` and ``drive_async`` call it: a direct test costs ~0.2 µs where a
-    poll of every track costs ~0.7.
-    Polled with a loop iteration between polls, an MPI message moves only at each poll:
-    named 64 KiB allreduces awaited from 8 tasks took 1.23-1.56x unnamed ones that way,
-    1.24-1.39x spun on (docs/performance.md)."""
-    return fut._state == ISSUED and engine.spin_lone(fut)
-
-
 def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
     """Poll from the running event loop until ``fut`` is done.
 
@@ -330,7 +324,7 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
     try:
         if engine.spin_ok():
             for _ in range(policy.spin_polls):
-                if poll() and _spun(engine, fut):
+                if poll() and engine.spin_lone(fut):  # (as in wait)
                     return
                 if fut._state >= DONE:  # (by this poll, or by the background thread's)
                     return
@@ -349,7 +343,7 @@ def drive_async(engine: Engine, fut: CommFuture) -> Generator[Any, None, None]:
             progressed = poll()
             mark = engine._n_polls
             if progressed:
-                if _spun(engine, fut):
+                if engine.spin_lone(fut):
                     return
                 continue
             now = _clock()
