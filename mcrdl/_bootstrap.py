@@ -92,11 +92,20 @@ def import_mpi() -> Any:
     return MPI
 
 
+def mpi_up() -> Any:
+    """The mpi4py.MPI module while MPI is initialized and not finalized, else None (without
+    importing it)."""
+    MPI = sys.modules.get("mpi4py.MPI")  # noqa: N806 - the module
+    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        return MPI
+    return None
+
+
 def finalize_mpi() -> None:
     """MPI_Finalize, unless MPI is not up or is finalized already; then disarm the alarm the
     runtime may have set at exit to bound it (`mcrdl._runtime._finalize_at_exit`)."""
-    MPI = sys.modules.get("mpi4py.MPI")  # noqa: N806 - the module
-    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+    MPI = mpi_up()  # noqa: N806 - the module
+    if MPI is not None:
         MPI.Finalize()
         if threading.current_thread() is threading.main_thread():
             signal.alarm(0)

@@ -19,7 +19,7 @@ import numpy as np
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ._bootstrap import Bootstrap, finalize_mpi
+from ._bootstrap import Bootstrap, finalize_mpi, mpi_up
 from ._communicator import Communicator
 from ._config import Config
 from ._errors import (
@@ -609,14 +609,6 @@ _unhealthy = False
 EXIT_GRACE = 5
 
 
-def _has_mpi_peers() -> bool:
-    """MPI is up, with other processes in its world (a process alone in it has nobody that
-    MPI_Finalize could wait for)."""
-    MPI = sys.modules.get("mpi4py.MPI")  # noqa: N806 - the module
-    return (MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized()
-            and MPI.COMM_WORLD.Get_size() > 1)
-
-
 def _finalize_at_exit() -> None:
     for runtime in list(_live):
         try:
@@ -624,7 +616,9 @@ def _finalize_at_exit() -> None:
         except Exception as exc:  # noqa: BLE001 - report, but let the interpreter exit
             sys.stderr.write(f"mcrdl: finalize at exit failed: {exc}\n")
     main = threading.current_thread() is threading.main_thread()
-    if _unhealthy and main and _has_mpi_peers():
+    mpi = mpi_up()
+    # (a process alone in its MPI world has nobody that MPI_Finalize could wait for)
+    if _unhealthy and main and mpi is not None and mpi.COMM_WORLD.Get_size() > 1:
         # After failures (a dead peer, a timeout, a host cut off) MPI_Finalize, which runs
         # after this, can wait forever in the launcher for a process that never comes. An
         # alarm whose default action ends the process bounds it: a watchdog thread cannot,
