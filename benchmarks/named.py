@@ -191,10 +191,9 @@ def _phases(comm, raw, steps, futs, iters: int):
     barrier: rows of 8 µs figures, unnamed then named (module docstring)."""
     clock = time.perf_counter
     split: tuple[list[tuple[float, ...]], list[tuple[float, ...]]] = ([], [])
-    for i in range(2 * iters):
-        named = (i + i // 2) % 2  # A B B A: neither always runs first
+
+    def step(named: int) -> None:
         futs.clear()
-        comm.barrier(backend="mpi").wait()
         t0 = clock()
         steps[named]()
         t1 = clock()
@@ -202,11 +201,13 @@ def _phases(comm, raw, steps, futs, iters: int):
         first = min(f.t_issue for f in futs)
         done = max(f.t_done for f in futs)
         split[named].append((last - t0, first - t0, done - t0, t1 - t0))
+
+    alternate(lambda: step(0), lambda: step(1), iters,
+              sync=lambda: comm.barrier(backend="mpi").wait())
     mine = np.array([statistics.median(col) * 1e6 for half in split for col in zip(*half)])
     table = np.empty((comm.size, 8))
     raw.Allgather(mine, table)
     return table
-
 
 if __name__ == "__main__":
     main()
