@@ -24,8 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import mcrdl  # noqa: E402
 from common import alternate, human, parse_sizes  # noqa: E402
+
+import mcrdl  # noqa: E402
 from mcrdl import DType, OpKind, ReduceOp  # noqa: E402
 from mcrdl.tuning import TuningTable  # noqa: E402
 from mcrdl.tuning._bench import _elements, _global_bytes, _mcrdl_call, _out_elements, _Raw, sweep  # noqa: E402

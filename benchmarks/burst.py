@@ -25,8 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import mcrdl  # noqa: E402
 from common import human, parse_sizes, timed  # noqa: E402
+
+import mcrdl  # noqa: E402
 
 
 def main() -> None:

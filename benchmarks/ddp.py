@@ -27,9 +27,9 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import threading
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,9 +39,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import alternate, timed  # noqa: E402
+
 import mcrdl  # noqa: E402
 import mcrdl.torch  # noqa: E402
-from common import alternate, timed  # noqa: E402
 
 _LAYER = 1024  # a 1024 x 1024 float32 weight: 4 MiB
 

@@ -17,8 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import mcrdl  # noqa: E402
 from common import human  # noqa: E402
+
+import mcrdl  # noqa: E402
 
 SIZES = (4, 4096, 1 << 20)
 ITERS = {4: 1000, 4096: 500, 1 << 20: 50}

@@ -15,7 +15,7 @@ run):
 - ``raw nb``: mpi4py's nonblocking call (``Iallreduce``, ``Ialltoall``, ``Iallgather``,
   ``Ibcast``, ``Ireduce_scatter_block``) on numpy views made once, then its ``Test`` loop
   (the floor column of ``benchmarks/overhead.py``);
-- ``straight``: the least that the guarantees of ``DESIGN.md`` ask of each operation, written
+- ``straight``: the least that the guarantees of ``docs/design.md`` ask of each operation, written
   as one straight-line function with no call of mcrdl's (a measuring device, not an engine:
   it handles one operation of one kind on one lane and nothing else). It checks each tensor
   (type, dtype, contiguity, device) and that the output matches the input, checks the op (or
@@ -58,7 +58,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import mcrdl  # noqa: E402
 from common import (  # noqa: E402
     alternate,
     host,
@@ -69,6 +68,8 @@ from common import (  # noqa: E402
     parse_sizes,
     raw_nonblocking,
 )
+
+import mcrdl  # noqa: E402
 from mcrdl import ReduceOp  # noqa: E402
 
 
@@ -201,8 +202,8 @@ def seams_call_for(MPI, comm, kind: str, size: int):  # noqa: N803 - the module'
     the backend's track and tables, and the engine's one settle path (``Engine._settle``: the
     flight recorder's history, the counters, hazards, callbacks). A measuring device reaching
     into the engine's internals: valid while nothing else is in flight (it checks)."""
-    from mcrdl._buffers import as_buffer
-    from mcrdl._types import OpKind
+    from mcrdl.core._buffers import as_buffer
+    from mcrdl.core._types import OpKind
     from mcrdl.engine import CommFuture
     from mcrdl.engine._states import ISSUED
 

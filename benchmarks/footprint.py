@@ -48,10 +48,10 @@ _EVENTS = ("Ir", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")
 def _child(op: str, call_name: str, n: int, copy: int) -> None:
     """Under valgrind: warm ``call_name`` up, then run it ``n`` times inside dropwhile."""
     import numpy as np
-
-    import mcrdl
     from common import op_buffers, raw_nonblocking
     from floor import seams_call_for, straight_call_for
+
+    import mcrdl
 
     comm = mcrdl.init()
     from mpi4py import MPI

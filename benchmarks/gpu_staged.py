@@ -26,9 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import mcrdl  # noqa: E402
 from common import alternate, human, parse_sizes  # noqa: E402
 from common import timed as timed_each  # noqa: E402
+
+import mcrdl  # noqa: E402
 
 
 def _median_us(times: list[float]) -> float:

@@ -54,8 +54,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import mcrdl  # noqa: E402
 from common import alternate, human, parse_sizes  # noqa: E402
+
+import mcrdl  # noqa: E402
 
 
 def _steps(size: int, k: int) -> int:

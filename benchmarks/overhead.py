@@ -35,7 +35,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import mcrdl  # noqa: E402
 from common import (  # noqa: E402
     alternate,
     host,
@@ -45,6 +44,8 @@ from common import (  # noqa: E402
     parse_sizes,
     raw_nonblocking,
 )
+
+import mcrdl  # noqa: E402
 
 OPS = ("allreduce", "alltoall", "allgather", "broadcast", "reduce_scatter")
 

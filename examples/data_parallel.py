@@ -26,9 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _report import Run, backend_for, parser, show  # noqa: E402
+
 import mcrdl  # noqa: E402
 import mcrdl.torch  # noqa: E402  (registers the backend "mcrdl" with torch.distributed)
-from _report import Run, backend_for, parser, show  # noqa: E402
 
 IN, WIDTH, DEPTH = 64, 256, 4
 BATCH = 32  # rows per rank per step

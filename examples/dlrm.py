@@ -33,10 +33,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import mcrdl  # noqa: E402
 import _report  # noqa: E402
 from _report import Run, backend_for  # noqa: E402
 from data_parallel import GradBuckets  # noqa: E402
+
+import mcrdl  # noqa: E402
 
 DENSE, D = 16, 32  # dense features, embedding width
 TABLES_PER_RANK, ROWS, BAG = 2, 1000, 4  # tables per rank, rows per table, indices per bag

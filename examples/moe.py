@@ -40,9 +40,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import mcrdl  # noqa: E402
 import _report  # noqa: E402
 from _report import Run, backend_for  # noqa: E402
+
+import mcrdl  # noqa: E402
 
 D, H = 64, 128  # model width, expert hidden width
 EXPERTS_PER_RANK = 2

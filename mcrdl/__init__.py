@@ -14,8 +14,7 @@ for it in ordinary code::
 ``import mcrdl`` initializes nothing: MPI, torch.distributed and threads start in `init`.
 """
 
-from ._communicator import Communicator
-from ._errors import (
+from .core._errors import (
     BackendError,
     BackendUnavailableError,
     CommAbortedError,
@@ -32,11 +31,11 @@ from ._errors import (
     UnknownBackendError,
     UnsupportedOperationError,
 )
-from ._observe import span
-from ._runtime import Runtime, current_runtime, finalize, init
-from ._taskcheck import TaskOrderWarning
-from ._types import DType, OpKind, ReduceOp
+from .core._types import DType, OpKind, ReduceOp
 from .engine import CommFuture, EngineStats
+from .front._communicator import Communicator
+from .front._runtime import Runtime, current_runtime, finalize, init, span
+from .front._taskcheck import TaskOrderWarning
 
 __version__ = "0.1.0"
 

@@ -96,10 +96,10 @@ def _parser() -> argparse.ArgumentParser:
 def _trace(args: Any) -> int:
     import json
 
-    from ._observe import plot_trace, summarize_trace
+    from .observe._recorder import plot_trace, summarize_trace
 
     if args.action == "explain":
-        from ._explain import explain, load_dumps
+        from .observe._explain import explain, load_dumps
 
         try:
             dumps = load_dumps(args.path)

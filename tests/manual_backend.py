@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mcrdl._types import DType, OpKind, ReduceOp
 from mcrdl.backends import Backend, Capabilities
+from mcrdl.core._types import DType, OpKind, ReduceOp
 
 
 @dataclass(eq=False)

@@ -76,7 +76,7 @@ def test_tune_writes_a_table_that_init_accepts(tmp_path):
 
 
 def _made_up_trace(path):
-    from mcrdl._observe import trace_events
+    from mcrdl.observe._recorder import trace_events
 
     def rec(op, backend, seq, issue, done):
         return {"op": op, "seq": seq, "backend": backend, "comm": "world",

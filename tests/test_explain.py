@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mcrdl._explain import explain, load_dumps
+from mcrdl.observe._explain import explain, load_dumps
 
 
 def _op(op, seq, index, lane, age=2.0, state="ISSUED"):

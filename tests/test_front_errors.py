@@ -22,10 +22,10 @@ from mcrdl import (
     UnknownBackendError,
     UnsupportedOperationError,
 )
-from mcrdl._config import Config
-from mcrdl._runtime import Runtime
-from mcrdl._types import DType, OpKind
 from mcrdl.backends import Capabilities
+from mcrdl.core._config import Config
+from mcrdl.core._types import DType, OpKind
+from mcrdl.front._runtime import Runtime
 from tests.manual_backend import ManualBackend
 
 MPI_LIKE = Capabilities(
@@ -343,7 +343,7 @@ def test_a_dlpack_array_on_the_host_is_not_taken_for_a_cuda_one(comm):
 
 
 def test_a_buffer_knows_the_bytes_it_covers():
-    from mcrdl._buffers import as_buffer
+    from mcrdl.core._buffers import as_buffer
 
     base = np.arange(32, dtype=np.float64)
     view = base[5:9]  # writable: its address through the buffer protocol
@@ -361,7 +361,7 @@ def test_a_torch_work_future_is_refused_without_a_progress_thread(comm, backends
     """torch waits on ``Work.get_future()`` in C++ (DDP's reducer), where nothing polls the
     engine: without the progress thread it would never complete, so it is refused by name;
     ``Work.wait()`` drives the engine itself, and a future of finished work is given."""
-    from mcrdl.torch import _Work
+    from mcrdl.torch._group import _Work
 
     allow_started(backends)
     t = torch.ones(4)

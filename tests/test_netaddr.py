@@ -1,4 +1,4 @@
-"""The address helpers of the bootstrap (mcrdl._netaddr), in one process."""
+"""The address helpers of the bootstrap (mcrdl.bootstrap._netaddr), in one process."""
 
 from __future__ import annotations
 
@@ -6,8 +6,14 @@ import socket
 
 import pytest
 
-from mcrdl._netaddr import LOOPBACK, Listeners, describe_reach, local_addresses, probe
-from mcrdl._netaddr import resolve_host
+from mcrdl.bootstrap._netaddr import (
+    LOOPBACK,
+    Listeners,
+    describe_reach,
+    local_addresses,
+    probe,
+    resolve_host,
+)
 
 
 def test_probe_reports_the_local_address_of_a_listener_it_reached_and_none_elsewhere():

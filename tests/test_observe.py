@@ -1,11 +1,17 @@
-"""The comms log's arithmetic and the trace's shape (mcrdl._observe), from made-up records."""
+"""The comms log's arithmetic and the trace's shape (mcrdl.observe._recorder), from made-up records."""
 
 from __future__ import annotations
 
 import pytest
 
-from mcrdl._observe import algbw_bytes, bucket, busbw_factor, format_summary, summarize
-from mcrdl._observe import trace_events
+from mcrdl.observe._recorder import (
+    algbw_bytes,
+    bucket,
+    busbw_factor,
+    format_summary,
+    summarize,
+    trace_events,
+)
 
 
 @pytest.mark.parametrize(("op", "n", "factor"), [
@@ -142,11 +148,11 @@ def test_clock_alignment_finds_a_known_offset_to_rank_0():
 
     import torch.distributed as dist
 
-    from mcrdl._observe import Recorder
+    from mcrdl.observe._recorder import Recorder
 
     store = dist.HashStore()
-    ahead = SimpleNamespace(_clock=lambda: time.perf_counter() + 5.0)
-    behind = SimpleNamespace(_clock=time.perf_counter)
+    ahead = SimpleNamespace(now=lambda: time.perf_counter() + 5.0)
+    behind = SimpleNamespace(now=time.perf_counter)
     r0, r1 = Recorder(ahead, 0, 2), Recorder(behind, 1, 2)
     t = threading.Thread(target=r0.align, args=(store, 30.0))
     t.start()
@@ -173,10 +179,10 @@ def test_gathers_are_numbered_per_member_list():
 
     import torch.distributed as dist
 
-    from mcrdl._observe import Recorder
+    from mcrdl.observe._recorder import Recorder
 
     store = dist.HashStore()
-    recs = [Recorder(SimpleNamespace(_clock=time.perf_counter), r, 3) for r in range(3)]
+    recs = [Recorder(SimpleNamespace(now=time.perf_counter), r, 3) for r in range(3)]
     out: dict[int, list] = {}
 
     def rank(r):

@@ -15,8 +15,8 @@ import torch
 
 import mcrdl
 from mcrdl import CommClosedError, MCRDLError, ReduceOp, UnknownBackendError
-from mcrdl._bootstrap import detect_launcher
-from mcrdl._config import Config
+from mcrdl.bootstrap._launch import detect_launcher
+from mcrdl.core._config import Config
 
 
 @pytest.fixture
@@ -116,7 +116,7 @@ def test_a_process_alone_in_its_mpi_world_exits_without_the_alarm_after_failures
     wait for a peer that never comes; a process alone in its MPI world has none, and exits
     as usual (before, every single-process program, the test runner included, printed the
     warning and ran MPI_Finalize under the alarm)."""
-    code = ("import mcrdl, mcrdl._runtime as r; mcrdl.init(backends='mpi'); "
+    code = ("import mcrdl, mcrdl.front._runtime as r; mcrdl.init(backends='mpi'); "
             "r._unhealthy = True")  # (what finalize sets once an operation failed)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
@@ -219,7 +219,7 @@ def test_config_from_environment_and_arguments():
 
 
 def test_check_tasks_gives_every_communicator_the_task_check():
-    from mcrdl._taskcheck import TaskCheck
+    from mcrdl.front._taskcheck import TaskCheck
 
     for on in (False, True):
         with mcrdl.init(check_tasks=on) as comm:
@@ -286,7 +286,7 @@ def test_what_is_kept_for_the_rest_of_the_process_outlives_the_interpreters_tear
     exit)."""
     code = "\n".join([
         "import importlib, os, weakref",
-        "from mcrdl._forever import forever",
+        "from mcrdl.core._forever import forever",
         f"kept = getattr(importlib.import_module({module!r}), {name!r})",
         "class Held: pass",
         "obj = Held()",

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from mcrdl import DType, OpKind, ReduceOp
-from mcrdl._config import Config
-from mcrdl._runtime import Runtime
-from mcrdl._select import Router, Selector
 from mcrdl.backends import Capabilities
+from mcrdl.core._config import Config
+from mcrdl.front._runtime import Runtime
+from mcrdl.front._select import Router, Selector
 from mcrdl.tuning import Entry, TuningTable
 from mcrdl.tuning._table import FORMAT
 from tests.manual_backend import ManualBackend

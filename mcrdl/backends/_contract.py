@@ -5,13 +5,13 @@ blocking. It never waits: all waiting, ordering and dependency tracking is the e
 (``mcrdl.engine``). Everything the engine and the front need to know about a backend is in
 this module; a concrete backend's docstring only adds its quirks.
 
-Lifecycle: the runtime constructs each backend once per process with a `Bootstrap`, then asks
+Lifecycle: the runtime constructs each backend once per process with a `Rendezvous`, then asks
 for the world group and for sub-groups as communicators are split. Operations arrive as
 ``start_<op>(group, ...)`` calls, in the order the engine issues them; ``test`` reports which
 requests have finished. All calls into one backend come from one thread at a time (the engine's
 lock), so a backend may use libraries initialized for serialized threading.
 
-Buffers are `mcrdl._buffers.Buffer` objects, already checked for contiguity, device and dtype
+Buffers are `mcrdl.core._buffers.Buffer` objects, already checked for contiguity, device and dtype
 against ``capabilities``; a backend asks them for the view it speaks (``numpy()``,
 ``torch()``). Shapes follow torch's dim-0 convention: gather and allgather concatenate along dim
 0; scatter, reduce_scatter and alltoall split dim 0 into ``group.size`` equal chunks; alltoallv
@@ -26,12 +26,12 @@ from ctypes import memmove
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from .._types import DType, OpKind, ReduceOp
+from ..core._types import DType, OpKind, ReduceOp
 
 if TYPE_CHECKING:
-    from .._buffers import Buffer
+    from ..core._buffers import Buffer
 
-__all__ = ["Backend", "Bootstrap", "Capabilities", "Group", "Request"]
+__all__ = ["Backend", "Capabilities", "Group", "Rendezvous", "Request"]
 
 #: What ``start_*`` returns: opaque to everybody but the backend that made it. ``None`` means the
 #: operation finished during the start call (a size-1 group, an empty message).
@@ -112,8 +112,9 @@ class Group(Protocol):
     size: int
 
 
-class Bootstrap(Protocol):
-    """What a backend may ask of the runtime while it comes up.
+class Rendezvous(Protocol):
+    """What a backend may ask of the runtime while it comes up (the launcher's view of the job
+    that `mcrdl.bootstrap.Bootstrap` gives, or a simulated world's).
 
     Attributes:
         rank: this process's rank in the world.
@@ -159,7 +160,7 @@ class Backend(ABC):
         """Whether this backend can run in this process. Never raises, never initializes."""
 
     @abstractmethod
-    def __init__(self, bootstrap: Bootstrap) -> None:
+    def __init__(self, bootstrap: Rendezvous) -> None:
         """Bring the backend up on the world (collective over all ranks)."""
 
     @abstractmethod

@@ -1,7 +1,7 @@
 """CUDA as a `Device`: torch's streams and events on one GPU.
 
 Every call here is asynchronous on the GPU and returns at once on the host (``query`` is
-``cudaEventQuery``): the engine never waits for the device in its poll loop (DESIGN.md rule 6).
+``cudaEventQuery``): the engine never waits for the device in its poll loop (docs/design.md rule 6).
 torch is imported by the backend that makes the device, never by ``import mcrdl``.
 """
 

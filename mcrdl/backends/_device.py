@@ -1,7 +1,7 @@
 """Devices: streams and events, as the engine orders work on an accelerator.
 
 A `Device` is what the engine needs of an accelerator to order work without blocking the host
-(DESIGN.md rule 6): streams (in-order queues of device work), events (a point in a stream,
+(docs/design.md rule 6): streams (in-order queues of device work), events (a point in a stream,
 reached once everything queued before it has run), a stream waiting on an event (device-side,
 the host goes on at once), and a query of an event that never blocks. Nothing here waits.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .._errors import UnknownBackendError
+from ..core._errors import UnknownBackendError
 
 if TYPE_CHECKING:
     from ._contract import Backend

@@ -2,7 +2,7 @@
 
 A host backend that cannot read device memory (MPI built without CUDA support, gloo) reaches
 it through `StagedBackend`, which the runtime wraps around it when the process has a device
-(DESIGN.md rule 6; docs/gpu.md). A host backend that reaches the device kind for most
+(docs/design.md rule 6; docs/gpu.md). A host backend that reaches the device kind for most
 operations (``Capabilities.direct``: a CUDA-aware MPI) is wrapped too: its operations on device
 buffers are handed to it as they are, and only those it runs in host memory
 (``Backend.host_only``: MPI's half-precision reductions) are staged. Those handed over keep
@@ -43,9 +43,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from .._buffers import Buffer, new_buffer
-from .._errors import BackendError, StartError
-from .._types import OpKind
+from ..core._buffers import Buffer, new_buffer
+from ..core._errors import BackendError, StartError
+from ..core._types import OpKind
 from ._contract import Backend, Capabilities, Group, Request
 from ._device import Device
 

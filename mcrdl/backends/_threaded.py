@@ -1,6 +1,6 @@
 """A worker thread per lane for backends whose calls block until the peers arrive.
 
-Rule 1 of DESIGN.md: never block in a backend. A backend that only has blocking calls
+Rule 1 of docs/design.md: never block in a backend. A backend that only has blocking calls
 (``capabilities.blocking_calls``) gets a thread per group, which is its lane: the engine's
 ``start_*`` only queues the call for that thread and returns a job, and ``test`` reports the
 jobs the thread has finished. Calling the blocking function inline instead was rejected: a rank
@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from .._errors import StartError
-from .._types import OpKind
+from ..core._errors import StartError
+from ..core._types import OpKind
 from ._contract import Backend, Capabilities, Group, Request
 
 __all__ = ["RealThreads", "ThreadedBackend", "Threads"]
@@ -64,7 +64,7 @@ class _Worker:
 
     After a call that raised, it runs no more calls: they were queued before the engine
     learnt of the failure, and running one would let the peers match it in the failed one's
-    place (rule 7 of DESIGN.md). They fail with StartError instead.
+    place (rule 7 of docs/design.md). They fail with StartError instead.
     """
 
     def __init__(self, threads: Threads, name: str) -> None:

@@ -7,7 +7,7 @@ Quirks beyond the contract:
   every member while it is made (group creation is collective anyway: members make their
   groups in the same order). Lazy connection was rejected: a send connects in the caller's
   thread, and blocked for minutes in ``start_send`` when its peer had broken the
-  communicator and never touched the group again (rule 1 of DESIGN.md: never block in a
+  communicator and never touched the group again (rule 1 of docs/design.md: never block in a
   backend).
 - Collectives run on gloo's own threads (``self_progressing``): pollers must yield the CPU to
   them. Completion is ``Work.is_completed()``; a failed Work reports through ``Work.wait()``.
@@ -39,13 +39,13 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._errors import BackendError
-from .._forever import forever
-from .._types import DType, OpKind, ReduceOp
-from ._contract import Backend, Bootstrap, Capabilities, Request
+from ..core._errors import BackendError
+from ..core._forever import forever
+from ..core._types import DType, OpKind, ReduceOp
+from ._contract import Backend, Capabilities, Rendezvous, Request
 
 if TYPE_CHECKING:
-    from .._buffers import Buffer
+    from ..core._buffers import Buffer
 
 __all__ = ["GlooBackend"]
 
@@ -187,7 +187,7 @@ class GlooBackend(Backend):
         except Exception:  # noqa: BLE001 - is_available never raises
             return False
 
-    def __init__(self, bootstrap: Bootstrap) -> None:
+    def __init__(self, bootstrap: Rendezvous) -> None:
         import torch
         import torch.distributed as dist
         from torch._C._distributed_c10d import ProcessGroupGloo

@@ -30,13 +30,13 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._errors import BackendError, BackendUnavailableError
-from .._forever import forever
-from .._types import REDUCING, DType, OpKind, ReduceOp
-from ._contract import Backend, Bootstrap, Capabilities, Request
+from ..core._errors import BackendError, BackendUnavailableError
+from ..core._forever import forever
+from ..core._types import REDUCING, DType, OpKind, ReduceOp
+from ._contract import Backend, Capabilities, Rendezvous, Request
 
 if TYPE_CHECKING:
-    from .._buffers import Buffer
+    from ..core._buffers import Buffer
 
 __all__ = ["COPY_BY_TYPES", "MPIBackend", "SEGMENT_BYTES", "SEGMENT_FROM", "SEGMENT_WINDOW"]
 
@@ -193,13 +193,13 @@ class MPIBackend(Backend):
     def is_available(cls) -> bool:
         return importlib.util.find_spec("mpi4py") is not None
 
-    def __init__(self, bootstrap: Bootstrap) -> None:
+    def __init__(self, bootstrap: Rendezvous) -> None:
         if bootstrap.launcher not in ("mpi", "single"):
             raise BackendUnavailableError(
                 f"the mpi backend needs an MPI launcher (mpiexec, srun) or a single process; "
                 f"this process was started by {bootstrap.launcher}"
             )
-        from .._bootstrap import import_mpi
+        from ..bootstrap._launch import import_mpi
 
         self._MPI = MPI = import_mpi()
         if MPI.Query_thread() < MPI.THREAD_SERIALIZED:

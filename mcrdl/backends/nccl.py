@@ -38,12 +38,12 @@ import importlib.util
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._errors import BackendError
-from .._types import DType, OpKind, ReduceOp
-from ._contract import Backend, Bootstrap, Capabilities, Request
+from ..core._errors import BackendError
+from ..core._types import DType, OpKind, ReduceOp
+from ._contract import Backend, Capabilities, Rendezvous, Request
 
 if TYPE_CHECKING:
-    from .._buffers import Buffer
+    from ..core._buffers import Buffer
 
 __all__ = ["NCCLBackend"]
 
@@ -93,7 +93,7 @@ class NCCLBackend(Backend):
         except Exception:  # noqa: BLE001 - is_available never raises
             return False
 
-    def __init__(self, bootstrap: Bootstrap) -> None:
+    def __init__(self, bootstrap: Rendezvous) -> None:
         import torch
         import torch.distributed as dist
         from torch._C._distributed_c10d import ProcessGroupNCCL

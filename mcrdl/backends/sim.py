@@ -42,9 +42,9 @@ from typing import Any
 
 import numpy as np
 
-from .._buffers import Buffer
-from .._errors import BackendError, BackendUnavailableError
-from .._types import REDUCING, DType, OpKind, ReduceOp
+from ..core._buffers import Buffer
+from ..core._errors import BackendError, BackendUnavailableError
+from ..core._types import REDUCING, DType, OpKind, ReduceOp
 from ._contract import Backend, Capabilities, Request
 
 __all__ = ["SEMANTICS", "SimBackend", "SimGroup", "SimOp", "sim_capabilities"]

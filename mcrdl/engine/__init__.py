@@ -2,8 +2,7 @@
 
 from ._drivers import PollPolicy
 from ._future import CommFuture
-from ._lanes import CommState, Lane, OpRecord, flight_dump, flight_record
+from ._lanes import CommState, Lane, OpRecord
 from ._progress import Engine, EngineStats
 
-__all__ = ["CommFuture", "CommState", "Engine", "EngineStats", "Lane", "OpRecord", "PollPolicy",
-           "flight_dump", "flight_record"]
+__all__ = ["CommFuture", "CommState", "Engine", "EngineStats", "Lane", "OpRecord", "PollPolicy"]

@@ -40,7 +40,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._errors import RuntimeFinalizedError
+from ..core._errors import RuntimeFinalizedError
 from ._states import DONE, ISSUED
 
 if TYPE_CHECKING:

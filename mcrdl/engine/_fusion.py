@@ -27,7 +27,7 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from .._buffers import Buffer, new_buffer
+from ..core._buffers import Buffer, new_buffer
 from ._states import ISSUED
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
-from .._errors import InvalidStateError
+from ..core._errors import InvalidStateError
 
 if TYPE_CHECKING:
     from ._lanes import Lane

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ._states import DONE, PENDING, STATE_NAMES
+from ._states import STATE_NAMES
 
 if TYPE_CHECKING:
     from ..backends import Backend
     from ._future import CommFuture
 
-__all__ = ["CommState", "Lane", "OpRecord", "Stops", "flight_dump", "flight_record"]
+__all__ = ["CommState", "Lane", "OpRecord", "Stops"]
 
 #: Where a member stopped issuing on a broken communicator: per lane (by its ``key``), the
 #: index of the first collective it did not issue, and per stream ``(peer, tag, sends)`` the
@@ -46,7 +46,7 @@ class CommState:
     -- would leave the peers matching different operations from then on: wrong data, and no
     error. The communicator *breaks* instead, on every member: its unfinished and later
     operations fail with CommBrokenError naming the first cause, and nothing is issued on it
-    again (DESIGN.md rule 7; ``Engine`` applies it, the runtime's notices tell the peers).
+    again (docs/design.md rule 7; ``Engine`` applies it, the runtime's notices tell the peers).
     A failure the backend reports for an issued operation (a truncated receive) is that
     operation's own: its peers matched it, and the communicator stays in step.
 
@@ -100,7 +100,7 @@ class Lane:
     - ``history`` holds records of the last ``HISTORY`` operations that finished on this lane.
     - ``comm`` is the communicator the lane belongs to; ``comm.lanes`` holds it.
     - ``stream`` is None, or (a stream-ordered backend) the stream of ``group``, where every
-      operation of the lane runs in issue order (DESIGN.md rule 6: one stream per lane).
+      operation of the lane runs in issue order (docs/design.md rule 6: one stream per lane).
     """
 
     __slots__ = (
@@ -186,71 +186,3 @@ class Lane:
             f"<Lane {self.backend_name}:{self.comm_name} rank={self.rank}/{self.size}"
             f" pending={len(self.pending)}>"
         )
-
-
-def _line(rec: OpRecord, now: float) -> str:
-    issued = f"issued {now - rec.t_issue:9.6f}s ago" if rec.t_issue else "not issued"
-    done = (f"finished after {rec.t_done - rec.t_submit:.6f}s" if rec.t_done
-            else f"age {now - rec.t_submit:.6f}s")
-    extra = f" {rec.detail}" if rec.detail else ""
-    name = f"{rec.kind}#{rec.seq}"
-    return f"    {name:<22} {rec.state:<9} {rec.nbytes:>12} B  {issued}  {done}{extra}"
-
-
-def flight_record(engine: Any, now: float | None = None) -> str:
-    """The flight recorder: per lane, its last finished operations and all unfinished ones."""
-    if now is None:
-        now = engine._clock()
-    unfinished: dict[Lane, list[Any]] = {}
-    for f in engine._in_flight():
-        unfinished.setdefault(f.lane, []).append(f)
-    lines = ["mcrdl flight recorder (oldest first; times relative to now)"]
-    for lane in engine._lanes.values():
-        live = sorted(unfinished.get(lane, []), key=lambda f: f.t_submit)
-        live.extend(f for f in lane.pending if f._state == PENDING)
-        if not live and not lane.history:
-            continue
-        lines.append(f"  lane {lane.backend_name}:{lane.comm_name} rank {lane.rank}/{lane.size}")
-        for rec in lane.records():
-            lines.append(_line(rec, now))
-        for f in live:
-            rec = OpRecord(f.kind, f.seq, STATE_NAMES[f._state], f.nbytes, f.t_submit,
-                           f.t_issue, 0.0, "")
-            lines.append(_line(rec, now))
-    for comm in engine._comms.values():
-        if comm.names is not None:
-            lines.extend(comm.names.waiting(now))
-    return "\n".join(lines)
-
-
-def _op(f: Any, now: float) -> dict[str, Any]:
-    return {"op": f.kind, "seq": f.seq, "state": STATE_NAMES[f._state],
-            "index": getattr(f, "index", None), "name": f.name, "bytes": f.nbytes,
-            "issued": bool(f.t_issue), "age_s": round(now - f.t_submit, 6),
-            "lane": f.lane.key, "comm": f.lane.comm_name}
-
-
-def flight_dump(engine: Any, waiting: list[Any], now: float | None = None) -> dict[str, Any]:
-    """The flight recorder in a machine-readable form (``python -m mcrdl trace explain``
-    reads the dumps of all ranks): per lane, its members (world ranks), how many operations
-    this rank submitted there, its unfinished ones with their positions, and its last
-    finished ones; and the operations this rank's threads are blocked waiting for. The
-    caller holds the engine's lock."""
-    if now is None:
-        now = engine._clock()
-    unfinished: dict[Lane, list[Any]] = {}
-    for fut in engine.unfinished_locked():
-        unfinished.setdefault(fut.lane, []).append(fut)
-    lanes = []
-    for lane in list(engine._lanes.values()):
-        live = sorted(unfinished.get(lane, []), key=lambda f: f.t_submit)
-        lanes.append({
-            "lane": lane.key, "backend": lane.backend_name, "comm": lane.comm_name,
-            "named": lane.named, "rank": lane.rank, "size": lane.size,
-            "members": list(lane.comm.members), "broken": lane.comm.broken,
-            "submitted": lane.submitted,
-            "unfinished": [_op(f, now) for f in live],
-            "finished": [{"op": r.kind, "seq": r.seq, "state": r.state, "bytes": r.nbytes}
-                         for r in lane.records()[-8:]],
-        })
-    return {"lanes": lanes, "waiting_on": [_op(f, now) for f in waiting if f._state < DONE]}

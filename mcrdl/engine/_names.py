@@ -1,7 +1,7 @@
 """Named operations: matched across a communicator's members by name, in an order they agree on.
 
 Collectives submitted from concurrent asyncio tasks reach a communicator in an order that
-timing decides, and timing differs between ranks (rule 8 of DESIGN.md). A collective given
+timing decides, and timing differs between ranks (rule 8 of docs/design.md). A collective given
 ``name=`` is therefore not placed in a lane when it is submitted: it waits, in the hazard DAG
 like any operation, until its dependencies have finished (it is *ready*), then until every
 member has it ready too. The members agree on that in *rounds*: each round is one small
@@ -66,9 +66,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._buffers import new_buffer
-from .._errors import DesyncError
-from .._types import DType
+from ..core._buffers import new_buffer
+from ..core._errors import DesyncError
+from ..core._types import DType
 from ._fusion import fuse
 from ._future import CommFuture
 from ._progress import AGREEMENT_KIND

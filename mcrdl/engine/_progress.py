@@ -11,10 +11,10 @@ waits, an asyncio task that awaits, or the background thread while nobody waits.
 
 Every operation ends in ``_settle``, whatever ends it: completion, a backend's error, a failed
 dependency, cancellation, a timeout, an abort, or its communicator breaking. ``_settle`` is
-also where DESIGN.md's rule 7 is applied: an operation that will not run as issued breaks its
+also where docs/design.md's rule 7 is applied: an operation that will not run as issued breaks its
 communicator (see `CommState`).
 
-Device work (DESIGN.md rule 6) is ordered by events, never by a host wait in the poll loop. An
+Device work (docs/design.md rule 6) is ordered by events, never by a host wait in the poll loop. An
 operation on device buffers carries the event of the caller's current stream at submission
 (``fut.waits``). On a lane with a stream (a stream-ordered backend), the lane's stream waits
 on that event and the operation is queued there; the event recorded after it (``fut.event``)
@@ -40,7 +40,7 @@ from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._errors import (
+from ..core._errors import (
     BackendError,
     CommAbortedError,
     CommBrokenError,
@@ -53,12 +53,20 @@ from .._errors import (
     RuntimeFinalizedError,
     StartError,
 )
-from .._forever import forever
+from ..core._forever import forever
 from . import _drivers
-from ._future import CANCELLED, DONE, FAILED, ISSUED, PENDING, STATE_NAMES, CommFuture
-from ._future import report_callback_error
+from ._future import (
+    CANCELLED,
+    DONE,
+    FAILED,
+    ISSUED,
+    PENDING,
+    STATE_NAMES,
+    CommFuture,
+    report_callback_error,
+)
 from ._hazards import HazardIndex
-from ._lanes import CommState, Lane, Stops, flight_dump, flight_record
+from ._lanes import CommState, Lane, Stops
 from ._tracks import Track
 
 if TYPE_CHECKING:
@@ -89,7 +97,7 @@ CHECK_KIND = "fingerprint"
 
 #: The kind of a `Names` agreement round. One that fails here, in flight or in its finishing
 #: step, breaks its communicator: its peers place what they agreed on, and this member no
-#: longer knows what that is (rule 8 of DESIGN.md).
+#: longer knows what that is (rule 8 of docs/design.md).
 AGREEMENT_KIND = "agreement"
 
 #: Zombies left unfinished when their engine closed, with the monotonic time by which their
@@ -233,7 +241,7 @@ class Engine:
       routed one in each of its candidate lanes' until it is routed), its backend's
       ``Track`` (ISSUED), or the ``carried`` list of a future in a Track (ISSUED, fused
       into it: `_carry`); ``_unfinished`` counts them.
-    - dependency edges point from a future to futures submitted before it (rule 3 of DESIGN.md),
+    - dependency edges point from a future to futures submitted before it (rule 3 of docs/design.md),
       so the wait-for graph of a rank is acyclic.
     - the hazard index holds the ranges of every unfinished operation and every zombie except
       ``_unindexed``, the newest submitted one (so the index always holds a prefix of
@@ -260,7 +268,7 @@ class Engine:
         policy: _drivers.PollPolicy | None = None,
         background: bool = True,
         timeout: float | None = None,
-        on_timeout: Callable[[list[CommFuture], str, dict[str, Any]], None] | None = None,
+        on_timeout: Callable[[list[CommFuture]], Callable[[], None] | None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._lock = threading.Lock()
@@ -317,7 +325,7 @@ class Engine:
         # Counters: submitted and issued are derived in stats() (two fewer increments per op).
         self._n_completed = self._n_failed = self._n_cancelled = self._n_polls = 0
         self._n_dropped = 0  # failed or cancelled before they were issued
-        #: Every finished operation's record, while the comms log is on (`mcrdl._observe`):
+        #: Every finished operation's record, while the comms log is on (`mcrdl.observe._recorder`):
         #: (lane, kind, seq, state, nbytes, dtype, t_submit, t_issue, t_done); None: off.
         self.log: list[tuple[Any, ...]] | None = None
         #: Cross-lane dependencies while the log is on: (lane, seq, lane, seq), first's first.
@@ -379,6 +387,14 @@ class Engine:
         """Every lane, in creation order."""
         return list(self._lanes.values())
 
+    def agreements(self) -> list[Names]:
+        """The named-operation agreements of the communicators that have them."""
+        return [comm.names for comm in self._comms.values() if comm.names is not None]
+
+    def now(self) -> float:
+        """The engine's clock (seconds): the one its futures' times are read on."""
+        return self._clock()
+
     def forget(self, comm: CommState) -> None:
         """Drop the closed communicator ``comm`` and its lanes (its operations have been
         waited for; a zombie keeps its own lane alive, for as long as it lives). A
@@ -427,7 +443,7 @@ class Engine:
         placeholder among them) and ``choose(fut)``, which then sets ``fut.lane``,
         ``fut.start`` and ``fut.args``. Meanwhile the operation holds its place in every
         candidate lane, so whichever it goes to, every member issues it at the same position
-        there (rule 2 of DESIGN.md): an alltoallv routed by its agreed total size waits for
+        there (rule 2 of docs/design.md): an alltoallv routed by its agreed total size waits for
         the exchange that agrees on it without blocking anything submitted before.
 
         ``named``: ``(names, signature)`` for an operation its members match by
@@ -725,8 +741,9 @@ class Engine:
             failure.__cause__ = error
             self._work.append((fut, failure))
 
-    def _in_flight(self) -> list[CommFuture]:
-        """The issued, unfinished futures: each track's, and what their carriers carry."""
+    def issued_locked(self) -> list[CommFuture]:
+        """The issued, unfinished futures (the caller holds the lock): each track's, and what
+        their carriers carry."""
         return _with_carried([f for t in self._track_list for f, _ in t.items()])
 
     def _pump(self, lane: Lane) -> None:
@@ -877,7 +894,7 @@ class Engine:
             if fut._on_stream:
                 self._fail_on_stream(fut, error)
             # Break before the lane moves on: issuing the operation behind this one first
-            # would let the peers match it in this one's place (rule 7 of DESIGN.md).
+            # would let the peers match it in this one's place (rule 7 of docs/design.md).
             if (lane.size > 1
                     and (state == PENDING or isinstance(error, _NOT_AS_ISSUED)
                          or fut.kind == AGREEMENT_KIND)
@@ -1355,8 +1372,10 @@ class Engine:
             if not expired and not named:
                 return
             timed_out = _with_carried(expired)  # (what they carry times out with them)
-            record = flight_record(self)
-            dump = flight_dump(self, list(self.waiting))
+            # The hook sees them before they are given up (the flight recorder's view of the
+            # stuck state), and what it returns runs once the lock is released.
+            report = (None if self._on_timeout is None else self._on_timeout(
+                [f for futs in named.values() for f in futs] + timed_out))
             # Named operations first, so that theirs is the cause the peers hear of: fail
             # them with DesyncError naming the members that lack them, and break their
             # communicators (the members do not agree on what runs next).
@@ -1372,9 +1391,8 @@ class Engine:
                 ))
             self._run_work()
         self._after_lock()
-        if self._on_timeout is not None:
-            self._on_timeout([f for futs in named.values() for f in futs] + timed_out, record,
-                             dump)
+        if report is not None:
+            report()
 
     # -- operations the engine makes, and named operations' places (lock held) ----------
 
@@ -1497,7 +1515,7 @@ class Engine:
     def stats(self) -> EngineStats:
         """A snapshot of the engine's counters."""
         with self._lock:
-            in_flight = len(self._in_flight())
+            in_flight = len(self.issued_locked())
             finished = self._n_completed + self._n_failed + self._n_cancelled
             submitted = finished + self._unfinished
             pending = self._unfinished - in_flight
@@ -1522,7 +1540,7 @@ class Engine:
 
     def unfinished_locked(self) -> list[CommFuture]:
         """``unfinished()`` for a caller that holds the lock."""
-        out = self._in_flight()
+        out = self.issued_locked()
         seen: dict[CommFuture, None] = {}
         for lane in self._lanes.values():
             seen.update((f, None) for f in lane.pending if f._state == PENDING)

@@ -5,7 +5,7 @@ with the number in flight (``Testsome`` over 10,000 requests costs ~230 µs, and
 the list after each completion is O(n) again): 10,000 operations in flight cost 1.8 ms each.
 A track instead tests the oldest ``WINDOW`` requests (collectives finish roughly in issue
 order) plus a window that rotates over the rest, so every request is tested within
-``len / WINDOW`` polls (rule 5 of DESIGN.md: progress everywhere). Finished entries leave
+``len / WINDOW`` polls (rule 5 of docs/design.md: progress everywhere). Finished entries leave
 holes that are compacted once they make up most of the list, so removal is amortized O(1):
 the holes before the oldest live entry and after the newest are dropped at once, and the
 others are squeezed out once there are more of them than live entries and a window. (Behind

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .._types import ReduceOp
+from ..core._types import ReduceOp
 from ._programs import FAULTS, KINDS, Fault, Program, Region, Step
 
 __all__ = ["programs"]
@@ -41,7 +41,7 @@ def programs(
 
     Args:
         backends: names to pick from for each step (each step's choice is the same on every
-            rank, as rule 4 of DESIGN.md requires); ``auto`` adds None (backend="auto").
+            rank, as rule 4 of docs/design.md requires); ``auto`` adds None (backend="auto").
         kinds, dtypes, ops: what steps may use (AVG only on floating dtypes).
         min_faults, max_faults: how many `Fault`s, each of a kind in ``faults``, at any
             step, on any rank that takes part in it.

@@ -9,7 +9,7 @@ futures (some right after submitting, the rest at the end, in a per-rank order),
 `Fault`s: one rank's operation cancelled, failing, or depending on one that fails.
 
 Some runs of consecutive collectives are *concurrent blocks*: named collectives (``name=``,
-rule 8 of DESIGN.md) that touch disjoint bytes and do not depend on one another, as several
+rule 8 of docs/design.md) that touch disjoint bytes and do not depend on one another, as several
 asyncio tasks would submit them; each rank submits a block in an order of its own.
 
 Buffers are 1-D numpy "slots" per rank; a step reads and writes *regions* of them, so steps
@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import InvalidStateError
-from .._types import ReduceOp
+from ..core._errors import InvalidStateError
+from ..core._types import ReduceOp
 
 __all__ = ["FAULTS", "KINDS", "Fault", "Program", "Region", "Step", "initial_slots",
            "run_program"]

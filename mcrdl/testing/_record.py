@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from .._buffers import Buffer
-from .._types import ReduceOp
+from ..core._buffers import Buffer
+from ..core._types import ReduceOp
 from ._programs import Program, Region, Step
 
 __all__ = ["Recording", "record", "replay"]

@@ -6,15 +6,15 @@ says which elements a correct runtime must have right: a step that failed on a r
 its output there undefined (it may or may not have been written), and so does a step whose
 inputs were undefined on any member. Every other element was written by operations that
 succeeded on that rank from inputs that were right, so it must equal the reference: a rank
-that matched a different operation than its peers (DESIGN.md rule 7) gets it wrong.
+that matched a different operation than its peers (docs/design.md rule 7) gets it wrong.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .._types import ReduceOp
 from ..backends.sim import reduce_stack
+from ..core._types import ReduceOp
 from ._programs import DONE, Program, Region, Step, initial_slots
 
 __all__ = ["reference", "reference_with_faults"]

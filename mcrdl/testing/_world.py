@@ -22,20 +22,21 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._buffers import Buffer
-from .._config import Config
-from .._runtime import Runtime
 from ..backends import Backend
 from ..backends._threaded import Threads
 from ..backends.sim import SimBackend, SimGroup, SimOp, reduce_stack
-from ..engine import Engine, PollPolicy, flight_record
+from ..core._buffers import Buffer
+from ..core._config import Config
+from ..engine import Engine, PollPolicy
 from ..engine._fusion import carried
+from ..front._runtime import Runtime
+from ..observe._flight import flight_record
 from ._device import KIND as SIM_KIND
 from ._device import SimDevice
 
 if TYPE_CHECKING:
-    from .._communicator import Communicator
-    from .._select import Selector
+    from ..front._communicator import Communicator
+    from ..front._select import Selector
 
 __all__ = ["SimAborted", "SimDeadlock", "SimMismatch", "SimWorld"]
 
@@ -67,8 +68,8 @@ class _Thread:
     wake_at: int = 0
 
 
-class _Bootstrap:
-    """What a SimBackend is made from (the Bootstrap protocol, plus the world)."""
+class _Rendezvous:
+    """What a SimBackend is made from (the Rendezvous protocol, plus the world)."""
 
     def __init__(self, world: SimWorld, rank: int, name: str, semantics: str) -> None:
         self.sim_world = world
@@ -221,7 +222,7 @@ class SimWorld:
         threads = _SimThreads(self)
         self.runtimes: list[Runtime] = []
         for rank in range(size):
-            sims = {name: SimBackend(_Bootstrap(self, rank, name, sem))
+            sims = {name: SimBackend(_Rendezvous(self, rank, name, sem))
                     for name, sem in self.backends.items()}
             if not wrap_blocking:
                 for b in sims.values():

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import MCRDLError
-from .._types import DType, ReduceOp
+from ..core._errors import MCRDLError
+from ..core._types import DType, ReduceOp
 
 __all__ = ["BUS_FACTOR", "OPS", "Point", "RAW_MPI", "RAW_TORCH", "sweep"]
 
@@ -354,7 +354,7 @@ def _runs(comm: Any, name: str, op: str, dtype: str, redop: ReduceOp, device: st
     raw ones: always)."""
     if name in (RAW_MPI, RAW_TORCH):
         return True
-    from .._types import OpKind
+    from ..core._types import OpKind
 
     try:
         comm._selector.choose(comm._slots, OpKind(op), DType(dtype) if op != "barrier" else None,

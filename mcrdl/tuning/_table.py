@@ -5,7 +5,7 @@ A versioned JSON document that ``python -m mcrdl tune`` writes and ``init(tuning
 margin of the winner, and the document carries its provenance (library versions, MPI library,
 world size, host fingerprint, date) and a hash of its entries, which all ranks compare at
 ``init()``: the backend of a collective must be the same on every member (rule 4 of
-DESIGN.md), so every member must hold the same table.
+docs/design.md), so every member must hold the same table.
 
 Message size means the *global* size of the operation, the one nccl-tests reports: the buffer
 of allreduce, broadcast, reduce and alltoall; the gathered whole of allgather and gather; the

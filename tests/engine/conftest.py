@@ -9,6 +9,7 @@ from mcrdl.engine import Engine
 from tests.engine.support import Clock
 from tests.manual_backend import ManualBackend
 
+
 @pytest.fixture
 def clock() -> Clock:
     return Clock()

@@ -10,6 +10,7 @@ from dataclasses import replace
 from mcrdl.engine import CommFuture
 from tests.manual_backend import ManualBackend
 
+
 class Clock:
     def __init__(self) -> None:
         self.now = 1000.0

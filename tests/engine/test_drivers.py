@@ -13,6 +13,7 @@ from mcrdl.engine import Engine
 from tests.engine.support import A, Blocking, Counting, awaited, submit
 from tests.manual_backend import ManualBackend
 
+
 def test_wait_timeout_leaves_the_future_in_flight(engine, mpi):
     f = submit(engine, mpi, "barrier")
     with pytest.raises(TimeoutError, match=r"did not finish within 0.001 s; it is still in flight"):
@@ -242,7 +243,7 @@ def test_an_awaited_lone_spin_is_bounded_before_the_loop_gets_a_turn():
 
 def test_a_lone_spin_stops_when_another_operation_arrives():
     """A spin is bounded (lone_spins tests), so an operation that another thread submits
-    meanwhile is polled soon after (rule 5 of DESIGN.md: the spin cannot interleave with the
+    meanwhile is polled soon after (rule 5 of docs/design.md: the spin cannot interleave with the
     submitter, which waits for the engine's lock or the GIL); and a wait that starts with
     two in flight never spins."""
     backend = Counting(after=10**9)
@@ -509,8 +510,8 @@ def test_the_runtime_lets_the_thread_nap_longer_where_the_ranks_fill_the_cores_e
     import os
     from types import SimpleNamespace
 
-    from mcrdl._runtime import _poll_policy
     from mcrdl.engine import PollPolicy
+    from mcrdl.front._runtime import _poll_policy
 
     def _background_nap_max(bootstrap):
         return _poll_policy(bootstrap).background_nap_max

@@ -14,9 +14,10 @@ from mcrdl import (
     InvalidStateError,
     RuntimeFinalizedError,
 )
-from mcrdl._buffers import as_buffer
-from mcrdl._types import ReduceOp
-from mcrdl.engine import CommFuture, Engine, _fusion, flight_record
+from mcrdl.core._buffers import as_buffer
+from mcrdl.core._types import ReduceOp
+from mcrdl.engine import CommFuture, Engine, _fusion
+from mcrdl.observe._flight import flight_record
 from tests.manual_backend import ManualBackend
 
 
@@ -128,7 +129,7 @@ def test_members_time_out_and_are_given_up_with_their_carrier(clock, mpi):
     lists), each failing with CommTimeoutError; finalize's fail_all gives each its error."""
     seen = []
     engine = Engine(background=False, clock=clock, timeout=5.0,
-                    on_timeout=lambda expired, record, dump: seen.append((expired, record)))
+                    on_timeout=lambda expired: seen.append((expired, flight_record(engine))))
     futs = _agreed(engine, mpi, [np.ones(1), np.ones(2), np.ones(3)])
     clock.now += 10.0
     engine.check_deadlines(clock.now)

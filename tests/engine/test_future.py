@@ -10,6 +10,7 @@ import pytest
 from mcrdl import InvalidStateError
 from tests.engine.support import awaited, finish, submit
 
+
 def test_callbacks_run_once_and_late_ones_at_once(engine, mpi):
     seen = []
     f = submit(engine, mpi, "barrier")

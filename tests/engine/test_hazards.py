@@ -3,7 +3,8 @@ follow."""
 
 from __future__ import annotations
 
-from tests.engine.support import A, A_HALF, B
+from tests.engine.support import A_HALF, A, B
+
 
 def test_hazard_index_forgets_only_the_accesses_it_holds():
     """Removing an operation from a range it never touched leaves that range's accesses

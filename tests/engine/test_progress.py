@@ -21,8 +21,10 @@ from mcrdl import (
 )
 from mcrdl.engine import CommFuture, Engine
 from mcrdl.engine import _progress as progress
-from tests.engine.support import A, A_HALF, B, Counting, Holds, Uncancellable, finish, submit
+from mcrdl.observe._flight import flight_record
+from tests.engine.support import A_HALF, A, B, Counting, Holds, Uncancellable, finish, submit
 from tests.manual_backend import ManualBackend
+
 
 def test_issues_at_submit_when_lane_idle_and_no_dependencies(engine, mpi):
     f = submit(engine, mpi, "allreduce", writes=[A])
@@ -175,7 +177,7 @@ def test_long_chain_settles_without_recursion(engine, mpi):
 def test_timeout_fails_old_ops_and_dumps_flight_record(clock, mpi):
     dumps = []
     engine = Engine(background=False, clock=clock, timeout=5.0,
-                    on_timeout=lambda expired, record, dump: dumps.append((expired, record)))
+                    on_timeout=lambda expired: dumps.append((expired, flight_record(engine))))
     done = submit(engine, mpi, "barrier")
     finish(engine, mpi, 0)
     old = submit(engine, mpi, "allreduce", writes=[A])

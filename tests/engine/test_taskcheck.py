@@ -9,7 +9,7 @@ import warnings
 import pytest
 
 from mcrdl import TaskOrderWarning
-from mcrdl._taskcheck import TaskCheck
+from mcrdl.front._taskcheck import TaskCheck
 from tests.engine.support import finish, submit
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tests.engine.support import submit
 
+
 def test_many_in_flight_finishing_out_of_order_are_all_found(engine, mpi):
     """Tracks test a window of requests; those beyond it are found by the rotating window."""
     import random

@@ -29,7 +29,7 @@ SLOW = 2_000_000
 def _mpi_loads():
     """Whether mpi4py finds an MPI library here (a machine may have mpi4py without one)."""
     try:
-        from mcrdl._bootstrap import import_mpi
+        from mcrdl.bootstrap._launch import import_mpi
 
         import_mpi()
     except Exception:  # noqa: BLE001 - no usable MPI: the MPI cases skip
@@ -144,7 +144,7 @@ def test_the_lanes_stream_waits_for_the_nccl_collective(comm):
     on a stream of its own; ``Work.wait()`` does that). A 1-rank allgather of 1 GiB copies
     for ~0.5 ms: an event recorded behind it on the lane's stream is reached only once the
     Work is complete."""
-    from mcrdl._buffers import as_buffer
+    from mcrdl.core._buffers import as_buffer
 
     nccl = comm.runtime.backend("nccl")
     group = nccl.world()

@@ -1,4 +1,4 @@
-"""Ranks stay in step when one rank's operation fails or is cancelled (DESIGN.md rule 7), on
+"""Ranks stay in step when one rank's operation fails or is cancelled (docs/design.md rule 7), on
 the real backends: the cases that used to return wrong data silently, and generated programs
 with faults injected on one rank, judged against the sequential reference.
 

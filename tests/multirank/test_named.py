@@ -1,4 +1,4 @@
-"""Named collectives on the real backends (rule 8 of DESIGN.md), at 2 and 4 ranks: concurrent
+"""Named collectives on the real backends (rule 8 of docs/design.md), at 2 and 4 ranks: concurrent
 asyncio tasks submit them in orders that differ between ranks, and each gets its own result."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def test_the_task_check_warns_of_unnamed_collectives_of_two_tasks_in_flight(comm
     naming both tasks, at the line that submitted; with names, nothing warns. Under a filter
     that makes the warning an error, the second submission raises, and its allreduce runs
     all the same (the peers match it)."""
-    from mcrdl._taskcheck import TaskCheck
+    from mcrdl.front._taskcheck import TaskCheck
 
     async def one(t, name):
         try:

@@ -1,15 +1,15 @@
 """Deliberately broken policies, for showing that the harness catches what they break.
 
 They live here, in the test suite, and nowhere in the library: each is one of the designs
-DESIGN.md rejects.
+docs/design.md rejects.
 """
 
 from __future__ import annotations
 
-from mcrdl._select import Selector
 from mcrdl.backends._staging import StagedBackend
 from mcrdl.engine import Engine
 from mcrdl.engine._states import DONE, PENDING
+from mcrdl.front._select import Selector
 
 
 class ReadyFirstEngine(Engine):
@@ -49,7 +49,7 @@ class PerRankSelector(Selector):
 
 class LaneGoesOnEngine(Engine):
     """Never breaks a communicator: when one rank's operation ends without being issued, its
-    lane issues the next one as if nothing happened (what mcrdl did before DESIGN.md's rule 7)."""
+    lane issues the next one as if nothing happened (what mcrdl did before docs/design.md's rule 7)."""
 
     def _break(self, comm, cause, culprit=None, issued=False):  # type: ignore[no-untyped-def]
         pass

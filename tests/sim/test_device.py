@@ -1,4 +1,4 @@
-"""Device work ordered by events (DESIGN.md rule 6), on the simulated device.
+"""Device work ordered by events (docs/design.md rule 6), on the simulated device.
 
 Each rank of the world has a simulated device (``mcrdl.testing._device``): streams that run
 on their own, kernels that run some steps after they reach their stream's head, and
@@ -22,9 +22,8 @@ from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
 import mcrdl
-from mcrdl._select import Selector
+from mcrdl.front._select import Selector
 from mcrdl.testing import SimArray, SimDeadlock, SimMismatch, SimWorld, check_program, programs
-
 from mcrdl.tuning import Entry, TuningTable
 
 from . import examples

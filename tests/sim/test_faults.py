@@ -1,4 +1,4 @@
-"""Ranks stay in step when one rank's operation fails or is cancelled (DESIGN.md rule 7),
+"""Ranks stay in step when one rank's operation fails or is cancelled (docs/design.md rule 7),
 simulated: generated programs with faults injected on one rank at any step, under every
 backend semantics; a broken policy that lets the lane go on is caught and shrunk.
 
@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
 import mcrdl
-from mcrdl._select import Selector
+from mcrdl.front._select import Selector
 from mcrdl.testing import FAULTS, SimWorld, check_program, programs
 from mcrdl.testing._programs import Fault, Program, Region, Step
 from mcrdl.tuning import Entry, TuningTable

@@ -1,4 +1,4 @@
-"""Named collectives (DESIGN.md rule 8), simulated: ranks submit them in different orders, as
+"""Named collectives (docs/design.md rule 8), simulated: ranks submit them in different orders, as
 concurrent asyncio tasks do, and every result equals the sequential reference; a policy that
 issues them in each rank's own submission order is caught and shrunk.
 
@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
 from mcrdl import CommBrokenError, DesyncError, ReduceOp
-from mcrdl._buffers import Buffer
+from mcrdl.core._buffers import Buffer
+from mcrdl.observe._flight import flight_record
 from mcrdl.testing import FAULTS, SimMismatch, SimWorld, check_program, programs
 
 from . import examples
@@ -223,7 +224,8 @@ def test_a_name_some_member_never_submits_fails_naming_it():
     world = SimWorld(3, MPI_LIKE, seed=1, timeout=2.0)
     records = []
     for runtime in world.runtimes:
-        runtime.engine._on_timeout = lambda expired, record, dump: records.append(record)
+        runtime.engine._on_timeout = (
+            lambda expired, e=runtime.engine: records.append(flight_record(e)))
     out = world.run(program)
     assert "DesyncError" in {kind for kind, _ in out}
     for _, text in out:

@@ -4,8 +4,7 @@ processes and a FileStore, so mcrdl comes up from torch's store (gloo only).
 
 The default run keeps the tests named in ``DEFAULT`` (a process launch each, ~5 s here); the
 others are marked ``torch_suite`` (``python -m pytest -m "" tests/torch_suite`` runs them
-all, ~12 min). What fails for mcrdl, and why, is in README.md ("Use it from
-torch.distributed").
+all). What fails for mcrdl, and why, is in docs/torch.md ("torch's own distributed tests").
 """
 
 from __future__ import annotations
@@ -20,8 +19,9 @@ os.environ.setdefault("MCRDL_TIMEOUT", "60")
 
 pytest.importorskip("expecttest")
 
-import mcrdl.torch  # noqa: E402,F401  (registers "mcrdl" here and in every spawned child)
 from torch.testing._internal.common_distributed import DistTestCases  # noqa: E402
+
+import mcrdl.torch  # noqa: E402,F401  (registers "mcrdl" here and in every spawned child)
 
 for feature in ("ddp", "subgroup", "plugin"):
     DistTestCases.backend_feature[feature].add("mcrdl")

@@ -18,8 +18,9 @@ os.environ.setdefault("MCRDL_TIMEOUT", "60")
 
 pytest.importorskip("expecttest")
 
-import mcrdl.torch  # noqa: E402,F401  (registers "mcrdl" here and in every spawned child)
 from torch.testing._internal.distributed import distributed_test  # noqa: E402
+
+import mcrdl.torch  # noqa: E402,F401  (registers "mcrdl" here and in every spawned child)
 
 distributed_test.BACKEND = "mcrdl"  # what init_process_group and the test bodies read
 os.environ["BACKEND"] = "mcrdl"

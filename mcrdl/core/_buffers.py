@@ -7,7 +7,7 @@ address and length (the mpi backend), ``torch()`` (gloo, nccl) or ``numpy()``. N
 converted behind the caller's back: a buffer that a backend cannot use as it is
 (non-contiguous, read-only where it must be written) is refused with a message that says what
 to pass instead; one on a device the chosen backend cannot reach is refused where the backend
-is chosen (`mcrdl._select`).
+is chosen (`mcrdl.front._select`).
 
 Devices are named as torch names them (``"cpu"``, ``"cuda:0"``). A numpy array subclass that
 reports another ``device`` (the simulated device of ``mcrdl.testing``) is taken at its word.

@@ -7,7 +7,7 @@
 | ``MCRDL_BACKENDS`` | ``backends`` | comma-separated backends to bring up (default: all that can run) |
 | ``MCRDL_TIMEOUT`` | ``timeout`` | seconds an issued operation may take; ``0`` or ``none``: no limit |
 | ``MCRDL_DEBUG`` | ``debug`` | ``1``: check every collective's fingerprint across its group |
-| ``MCRDL_CHECK_TASKS`` | ``check_tasks`` | ``1``: warn when two asyncio tasks have unnamed collectives unfinished on one communicator at once (``mcrdl._taskcheck``) |
+| ``MCRDL_CHECK_TASKS`` | ``check_tasks`` | ``1``: warn when two asyncio tasks have unnamed collectives unfinished on one communicator at once (``mcrdl.front._taskcheck``) |
 | ``MCRDL_TUNING`` | ``tuning`` | path of a tuning table for ``backend="auto"`` |
 | ``MCRDL_PROGRESS_THREAD`` | ``progress_thread`` | ``0``: no background progress thread |
 | ``MCRDL_FLIGHT_RECORDER`` | ``flight_recorder`` | where a timeout dumps the flight recorder: ``stderr`` or a path |

@@ -1,6 +1,6 @@
 """Backend selection: which backend runs an operation, as a pure function of rank-invariant facts.
 
-Rule 4 of DESIGN.md: the backend of a collective depends only on the operation, the dtype, the
+Rule 4 of docs/design.md: the backend of a collective depends only on the operation, the dtype, the
 kind of device its buffers are on, the global message size, the communicator size and a table
 every rank holds identically, never on
 local timings or per-rank sizes, so that all members pick the same backend without talking.
@@ -18,14 +18,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._errors import BackendUnavailableError, UnknownBackendError, UnsupportedOperationError
-from ._types import REDUCING, DType, OpKind, ReduceOp
-from .backends import device_kind, known_backends
+from ..backends import device_kind, known_backends
+from ..core._errors import BackendUnavailableError, UnknownBackendError, UnsupportedOperationError
+from ..core._types import REDUCING, DType, OpKind, ReduceOp
 
 if TYPE_CHECKING:
-    from .backends import Backend
-    from .engine import Lane
-    from .tuning import TuningTable
+    from ..backends import Backend
+    from ..engine import Lane
+    from ..tuning import TuningTable
 
 __all__ = ["DEFAULT_PREFERENCE", "Router", "Selector", "Slot"]
 

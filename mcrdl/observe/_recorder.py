@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Recorder", "busbw_factor", "format_summary", "span", "summarize", "trace_events"]
+__all__ = ["Recorder", "busbw_factor", "format_summary", "plot_trace", "summarize", "summarize_trace",
+           "trace_events"]
 
 _STATES = {2: "done", 3: "failed", 4: "cancelled"}  # engine._states: DONE, FAILED, CANCELLED
 
@@ -81,8 +82,9 @@ class Recorder:
         self.size = size
         engine.log = []
         #: This rank's clock at init (rank 0's is the trace's zero).
-        self.t0: float = engine._clock()
+        self.t0: float = engine.now()
         self.spans: list[tuple[str, float, float, str]] = []
+        self._span_lock = threading.Lock()
         #: Add to this rank's clock to read rank 0's (seconds); set by `align`.
         self.offset = 0.0
         self.skew_bound = 0.0
@@ -90,6 +92,18 @@ class Recorder:
         #: Member 0's keys of the last gather every member read, per member list (deleted at
         #: the next gather of those members).
         self._unread: dict[str, list[str]] = {}
+
+    @contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        """Record the block it wraps as the user span ``name`` (`mcrdl.span`)."""
+        clock = self.engine.now
+        start = clock()
+        try:
+            yield
+        finally:
+            end = clock()
+            with self._span_lock:
+                self.spans.append((name, start, end, threading.current_thread().name))
 
     # -- records ---------------------------------------------------------------------------
 
@@ -126,7 +140,7 @@ class Recorder:
         round trip, recorded as ``skew_bound``)."""
         if self.size <= 1:
             return
-        clock = self.engine._clock
+        clock = self.engine.now
         wait = datetime.timedelta(seconds=timeout)
         rounds = 5
         if self.rank == 0:
@@ -307,33 +321,6 @@ def trace_events(per_rank: list[dict[str, Any] | None], t0: float) -> list[dict[
                            "ts": us(start), "dur": round((end - start) * 1e6, 3),
                            "args": {"thread": thread}})
     return events
-
-
-# -- user spans ------------------------------------------------------------------------------
-
-_span_lock = threading.Lock()
-
-
-@contextmanager
-def span(name: str) -> Iterator[None]:
-    """``with mcrdl.span("forward"):`` marks a region of the program on the timeline (a track
-    of its own per rank, beside the lanes). Costs two clock reads; nothing when no trace or
-    log is being recorded."""
-    from ._runtime import current_runtime
-
-    runtime = current_runtime()
-    recorder = runtime.recorder if runtime is not None else None
-    if recorder is None:
-        yield
-        return
-    clock = recorder.engine._clock
-    start = clock()
-    try:
-        yield
-    finally:
-        end = clock()
-        with _span_lock:
-            recorder.spans.append((name, start, end, threading.current_thread().name))
 
 
 # -- reading a trace back: python -m mcrdl trace summary|plot ------------------------------

@@ -1,6 +1,6 @@
 """Communicator: the front API. Checks every call, picks its backend, and submits it to the engine.
 
-Every operation returns a `CommFuture` at once; see DESIGN.md §1 for the semantics shared by
+Every operation returns a `CommFuture` at once; see docs/design.md §1 for the semantics shared by
 all of them (in-place results, ``out=`` allocation, program order across backends, ``after=``).
 Bad input raises here, on the calling rank, before anything is sent.
 """
@@ -12,19 +12,19 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from ..core._buffers import Buffer, as_buffer, new_buffer
+from ..core._errors import CommClosedError, MCRDLError, UnsupportedOperationError
+from ..core._types import COLLECTIVES, DType, OpKind, ReduceOp
+from ..engine import CommFuture
+from ..engine._names import MAX_NAME_BYTES, Names
+from ..engine._progress import CHECK_KIND
 from ._alltoallv import Exchanged
-from ._buffers import Buffer, as_buffer, new_buffer
 from ._debug import FIELDS, check, describe, fingerprint, task_id
-from ._errors import CommClosedError, MCRDLError, UnsupportedOperationError
-from ._types import COLLECTIVES, DType, OpKind, ReduceOp
-from .engine import CommFuture
-from .engine._names import MAX_NAME_BYTES, Names
-from .engine._progress import CHECK_KIND
 
 if TYPE_CHECKING:
+    from ..engine import Lane
     from ._runtime import Runtime
     from ._select import Router, Slot
-    from .engine import Lane
 
 __all__ = ["Communicator"]
 
@@ -73,7 +73,7 @@ class Communicator:
     Every collective also takes ``name=``: a string its members share (a parameter's name,
     ``"grad/layer3"``). Named collectives are matched across the members by name, whatever
     order each member submits them in, so concurrent asyncio tasks may submit them in any
-    order (rule 8 of DESIGN.md; `mcrdl.engine._names`). A name stands for one operation at a
+    order (rule 8 of docs/design.md; `mcrdl.engine._names`). A name stands for one operation at a
     time on a communicator: submitting it again before the first has finished raises
     ValueError. A name that some member never submits fails with DesyncError, naming that
     member, once the runtime's timeout has passed.
@@ -83,7 +83,7 @@ class Communicator:
       ``_named`` the same for named operations (their own groups and lanes, rule 8).
     - ``_seq`` counts the operations submitted on this communicator (the ``#n`` in reprs).
     - ``_slots[*].lane.comm`` is one engine `CommState` for all of them: when it breaks
-      (DESIGN.md rule 7), every operation on this communicator fails with CommBrokenError.
+      (docs/design.md rule 7), every operation on this communicator fails with CommBrokenError.
     """
 
     def __init__(self, runtime: Runtime, name: str, slots: dict[str, Slot],
@@ -91,7 +91,7 @@ class Communicator:
                  named: dict[str, Slot] | None = None) -> None:
         self._runtime = runtime
         self._debug = debug
-        #: The task check (`mcrdl._taskcheck`), or None.
+        #: The task check (`mcrdl.front._taskcheck`), or None.
         self._task_check = runtime.task_check
         self._named = named or {}
         self._cseq = 0  # collectives submitted (debug mode's fingerprint sequence)

@@ -8,7 +8,7 @@ submitted nothing leaves the exchange unfinished, which the per-operation timeou
 The exchange costs one small allgather per collective (``benchmarks/debug_cost.py``).
 
 The task is in the fingerprint because collectives submitted from concurrent tasks reach a
-lane in an order that timing decides, which differs between ranks (rule 8 of DESIGN.md): two
+lane in an order that timing decides, which differs between ranks (rule 8 of docs/design.md): two
 tasks' allreduces of equal shape would otherwise be paired across tasks, silently. A task is
 known by its name: asyncio numbers unnamed tasks in creation order ("Task-7"), which a
 well-formed program shares across ranks; a named task by a checksum of its name.
@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._errors import DesyncError
-from ._types import DType, OpKind, ReduceOp
+from ..core._errors import DesyncError
+from ..core._types import DType, OpKind, ReduceOp
 
 __all__ = ["FIELDS", "check", "describe", "fingerprint", "task_id"]
 

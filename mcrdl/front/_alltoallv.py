@@ -8,7 +8,7 @@ exchange is recorded and replayed with the rest:
 
 - only the counts missing: an alltoall of the send counts (each member learns what arrives);
 - the size deciding the backend: an allgather of every member's send counts, which gives both
-  the counts and the total (rule 4 of DESIGN.md: never a per-rank size). The data exchange is
+  the counts and the total (rule 4 of docs/design.md: never a per-rank size). The data exchange is
   then routed (``Engine.submit_routed``): it holds its place in every lane it may go to until
   the total is known.
 
@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._buffers import Buffer, new_buffer
-from ._types import DType, OpKind
+from ..core._buffers import Buffer, new_buffer
+from ..core._types import DType, OpKind
 
 if TYPE_CHECKING:
+    from ..backends import Backend
+    from ..engine import CommFuture
     from ._communicator import Communicator
     from ._select import Router
-    from .backends import Backend
-    from .engine import CommFuture
 
 __all__ = ["Exchanged"]
 

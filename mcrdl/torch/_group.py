@@ -1,65 +1,35 @@
-"""mcrdl as a torch.distributed backend: ``dist.init_process_group("mcrdl")``.
+"""The process group torch.distributed calls: each collective becomes mcrdl operations.
 
-Under ``mpiexec``, `init_process_group` here starts both from mcrdl's bootstrap (nothing to
-export). Started the torch way instead (torchrun, or a store given to
-``dist.init_process_group("mcrdl", store=..., rank=..., world_size=...)`` as torch's test
-harness does), mcrdl comes up from torch's store on the first group: gloo only, or MPI and
-gloo when an MPI launcher started the processes and its world matches.
-
-Importing this module registers the backend name ``"mcrdl"`` with torch.distributed. Every
-collective that code written for torch.distributed issues (DDP's bucket allreduces, FSDP2's
-all-gathers and reduce-scatters, ``dist.all_to_all_single``...) then becomes a `CommFuture`
-in mcrdl's engine, on the backend mcrdl picks per operation, and mixes safely with the
-program's own ``comm.*`` calls on the same communicator::
-
-    import mcrdl.torch
-    mcrdl.torch.init_process_group()          # under mpiexec: nothing to export
-    model = DDP(model)
-    comm = mcrdl.torch.communicator()          # mcrdl's Communicator under the default group
-
-Which backend runs a torch collective: the one pinned for the region
-(``with mcrdl.torch.backend("gloo"):``), else the one pinned for its group
-(``mcrdl.torch.set_backend(group, "mpi")``), else mcrdl's own choice (the tuning table under
-``backend="auto"``, or the default order). A region pin is per thread and per asyncio task
-(a context variable): DDP issues its bucket allreduces from the thread that runs backward.
-
-How torch 2.13 sees a backend written in Python (verified against its sources): a subclass of
-``ProcessGroup`` returned by the creator replaces the group outright; it must call the
-two-argument ``ProcessGroup.__init__(rank, size)`` and define ``getBackendName`` and the
-group name and description accessors, which functional collectives and FSDP2 read. Work
-objects are subclasses of ``dist._Work``: ``_create_work_from_future`` would report success
-after a failure, so `Work.wait` here raises mcrdl's own errors.
+``ProcessGroupMCRDL`` turns torch's group protocol (``allreduce(tensors, opts)``, ...) into
+`Communicator` calls and returns torch ``Work`` objects over their futures; `mcrdl.torch`
+registers it as backend "mcrdl".
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import datetime
 import threading
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ._bootstrap import detect_launcher
-from ._communicator import Communicator
-from ._errors import MCRDLError, UnsupportedOperationError
-from ._runtime import current_runtime, init
-from ._types import ReduceOp
-from .engine import CommFuture
+from ..core._errors import MCRDLError, UnsupportedOperationError
+from ..core._types import ReduceOp
+from ..engine import CommFuture
+from ..front._communicator import Communicator
 
-__all__ = ["BACKEND_NAME", "ProcessGroupMCRDL", "backend", "communicator",
-           "init_process_group", "set_backend"]
+__all__ = ["BACKEND_NAME", "ProcessGroupMCRDL", "region"]
 
 #: The name torch.distributed knows mcrdl by.
 BACKEND_NAME = "mcrdl"
-_TORCH_DEFAULT_TIMEOUT = dist.constants.default_pg_timeout
 
-_region: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+#: The backend pinned for torch collectives of this thread or task (`mcrdl.torch.backend`).
+region: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "mcrdl_torch_backend", default=None)
+
 
 #: torch.distributed as this module uses it: the low-level group protocol that
 #: distributed_c10d calls (``allreduce(tensors, opts)``...), which torch's stubs type as the
@@ -74,55 +44,6 @@ _OPS = {k.value: v for k, v in {
     _RED.MAX: ReduceOp.MAX, _RED.AVG: ReduceOp.AVG, _RED.BAND: ReduceOp.BAND,
     _RED.BOR: ReduceOp.BOR, _RED.BXOR: ReduceOp.BXOR}.items()}
 _PREMUL_SUM = _RED.PREMUL_SUM.value
-
-
-@contextlib.contextmanager
-def backend(name: str | None) -> Iterator[None]:
-    """Run the torch collectives issued in this block (this thread or task) on ``name``
-    (``"mpi"``, ``"gloo"``, ``"auto"``; None: mcrdl's choice)."""
-    token = _region.set(name)
-    try:
-        yield
-    finally:
-        _region.reset(token)
-
-
-def set_backend(group: Any, name: str | None) -> None:
-    """Run ``group``'s torch collectives on ``name`` (None: mcrdl's choice) unless a
-    ``backend()`` region says otherwise. ``group``: a process group made by this backend,
-    or None for the default group."""
-    _pg(group).pinned = name
-
-
-def communicator(group: Any = None) -> Communicator:
-    """The mcrdl `Communicator` under ``group`` (None: the default group), to mix the
-    program's own ``comm.*`` calls with what torch.distributed issues on it."""
-    return _pg(group).comm
-
-
-def init_process_group(**kwargs: Any) -> None:
-    """``dist.init_process_group("mcrdl")`` with mcrdl's bootstrap: brings mcrdl up (if it is
-    not up yet: ``kwargs`` go to `mcrdl.init`) and gives torch its world and store, so that
-    nothing needs exporting under ``mpiexec``."""
-    runtime = current_runtime()
-    if runtime is None:
-        init(**kwargs)
-        runtime = current_runtime()
-    elif kwargs:
-        raise MCRDLError(f"mcrdl is up already; init arguments {sorted(kwargs)} would be "
-                         f"ignored: pass them to the first mcrdl.init() only")
-    world = runtime.world  # type: ignore[union-attr]
-    store = runtime.bootstrap.store()  # type: ignore[union-attr]
-    dist.init_process_group(BACKEND_NAME, store=_c10d.PrefixStore("mcrdl.torch", store),
-                            rank=world.rank, world_size=world.size)
-
-
-def _pg(group: Any) -> ProcessGroupMCRDL:
-    pg = _c10d.distributed_c10d._get_default_group() if group is None else group
-    if not isinstance(pg, ProcessGroupMCRDL):
-        raise TypeError(f"{pg!r} is not a process group of backend {BACKEND_NAME!r}; "
-                        f"make it with dist.init_process_group({BACKEND_NAME!r}) or new_group")
-    return pg
 
 
 # -- work ------------------------------------------------------------------------------
@@ -303,8 +224,8 @@ class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
     group_desc = property(getGroupDesc)
 
     def _backend(self) -> str | None:
-        region = _region.get()
-        return region if region is not None else self.pinned
+        pinned = region.get()
+        return pinned if pinned is not None else self.pinned
 
     def shutdown(self) -> None:
         """``dist.destroy_process_group(group)``: close the group's communicator (after its
@@ -544,50 +465,3 @@ class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
             raise ValueError(f"all_to_all_single: the {what} tensor's {rows} rows do not "
                              f"split evenly over {n} ranks; pass split sizes")
         return [rows // n] * n
-
-
-# -- registration ----------------------------------------------------------------------
-
-
-def _create(opts: Any, backend_options: Any = None) -> ProcessGroupMCRDL:
-    """torch.distributed's creator for backend "mcrdl" (extended API: ``opts`` carries the
-    store, the group's rank and size, its name and its members' global ranks)."""
-    runtime = current_runtime()
-    ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
-    # torch gives every group a timeout, its default (30 min) unless the program passed one.
-    timeout = opts.timeout.total_seconds()
-    asked = {} if opts.timeout == _TORCH_DEFAULT_TIMEOUT else {"timeout": timeout}
-    if runtime is None:
-        if detect_launcher() == "mpi":  # MPI's world, with gloo bootstrapped through it
-            init(**asked)
-        elif ranks == list(range(opts.group_size)):  # torch's world: bring mcrdl up from it
-            init(store=opts.store, rank=opts.group_rank, world_size=opts.group_size, **asked)
-        else:
-            raise MCRDLError(f"torch.distributed made group {opts.group_id!r} of ranks "
-                             f"{ranks} before mcrdl was up; start with the default group")
-        runtime = current_runtime()
-    elif asked and timeout != runtime.config.timeout:
-        warnings.warn(
-            f"torch.distributed group {opts.group_id!r} asks for a {timeout:g} s timeout, but "
-            f"mcrdl times out every operation after its runtime's "
-            f"{runtime.config.timeout} s: pass the timeout to the first mcrdl.init() or "
-            f"dist.init_process_group(), or set MCRDL_TIMEOUT", stacklevel=2)
-    world = runtime.world  # type: ignore[union-attr]
-    # The default group is mcrdl's world; every other group, even one of all the ranks, is a
-    # communicator of its own: torch orders collectives per group, and two groups sharing a
-    # communicator would match one group's collective with the other's.
-    if not dist.is_initialized() and ranks == list(range(world.size)):
-        comm = world
-    else:
-        comm = runtime.make_communicator(  # type: ignore[union-attr]
-            world, f"torch.{opts.group_id}", ranks)
-    if comm.rank != opts.group_rank or comm.size != opts.group_size:
-        raise MCRDLError(
-            f"torch.distributed's group {opts.group_id!r} has this process as rank "
-            f"{opts.group_rank} of {opts.group_size}, but mcrdl's world makes it rank "
-            f"{comm.rank} of {comm.size}: start torch.distributed from mcrdl's bootstrap "
-            f"(mcrdl.torch.init_process_group()) so that both number the ranks alike")
-    return ProcessGroupMCRDL(comm, comm.rank, comm.size)
-
-
-dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])

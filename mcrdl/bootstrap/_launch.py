@@ -28,12 +28,19 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from ._config import Config
-from ._errors import BackendUnavailableError
-from ._netaddr import LOOPBACK, Listeners, describe_reach, local_addresses, net_identity, probe
-from ._netaddr import resolve_host
+from ..core._config import Config
+from ..core._errors import BackendUnavailableError
+from ._netaddr import (
+    LOOPBACK,
+    Listeners,
+    describe_reach,
+    local_addresses,
+    net_identity,
+    probe,
+    resolve_host,
+)
 
-__all__ = ["Bootstrap", "detect_launcher"]
+__all__ = ["Bootstrap", "detect_launcher", "finalize_mpi", "import_mpi", "mpi_up"]
 
 _MPI_VARS = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
 #: Seconds every rank tries to reach rank 0's addresses (a LAN handshake takes milliseconds).
@@ -103,7 +110,7 @@ def mpi_up() -> Any:
 
 def finalize_mpi() -> None:
     """MPI_Finalize, unless MPI is not up or is finalized already; then disarm the alarm the
-    runtime may have set at exit to bound it (`mcrdl._runtime._finalize_at_exit`)."""
+    runtime may have set at exit to bound it (`mcrdl.front._runtime._finalize_at_exit`)."""
     MPI = mpi_up()  # noqa: N806 - the module
     if MPI is not None:
         MPI.Finalize()

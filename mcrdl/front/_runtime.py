@@ -14,32 +14,34 @@ import signal
 import sys
 import threading
 import time
-
-import numpy as np
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
-from ._bootstrap import Bootstrap, finalize_mpi, mpi_up
-from ._communicator import Communicator
-from ._config import Config
-from ._errors import (
+import numpy as np
+
+from ..backends import Backend, backend_class, known_backends
+from ..backends._staging import StagedBackend
+from ..backends._threaded import ThreadedBackend, Threads
+from ..bootstrap._launch import Bootstrap, finalize_mpi, mpi_up
+from ..bootstrap._notices import Notices
+from ..core._config import Config
+from ..core._errors import (
     BackendUnavailableError,
     MCRDLError,
     RuntimeFinalizedError,
 )
-from ._notices import Notices
-from ._observe import Recorder, format_summary, summarize, trace_events
-from ._taskcheck import TaskCheck
+from ..engine import CommFuture, Engine, PollPolicy
+from ..engine._names import Names
+from ..engine._progress import linger
+from ..observe._flight import flight_dump, flight_record
+from ..observe._recorder import Recorder, format_summary, summarize, trace_events
+from ..tuning._table import TuningTable
+from ._communicator import Communicator
 from ._select import DEFAULT_PREFERENCE, Selector, Slot
-from .backends import Backend, backend_class, known_backends
-from .backends._staging import StagedBackend
-from .backends._threaded import ThreadedBackend, Threads
-from .engine import CommFuture, Engine, PollPolicy, flight_dump, flight_record
-from .engine._names import Names
-from .engine._progress import linger
-from .tuning._table import TuningTable
+from ._taskcheck import TaskCheck
 
-__all__ = ["Runtime", "current_runtime", "finalize", "init"]
+__all__ = ["Runtime", "current_runtime", "finalize", "init", "span"]
 
 _live: list[Runtime] = []
 _live_lock = threading.RLock()  # init() finalizes a runtime it failed to agree on
@@ -106,7 +108,7 @@ class Runtime:
             policy=_poll_policy(bootstrap),
             background=config.progress_thread,
             timeout=config.timeout,
-            on_timeout=self._dump_flight_record,
+            on_timeout=self._on_timeout,
         )
         self.tuning: TuningTable | None = None
         self._tuning_error: str | None = None
@@ -136,7 +138,7 @@ class Runtime:
         size = next(iter(worlds.values())).size
         extra = self._extra_groups(worlds, list(range(size)), "world")
         self.world = self._communicator("world", worlds, tuple(range(size)), *extra)
-        #: The comms log and trace (`mcrdl._observe`), while either is on.
+        #: The comms log and trace (`mcrdl.observe._recorder`), while either is on.
         self.recorder: Recorder | None = None
         if config.log or config.trace:
             self.recorder = Recorder(self.engine, self.world.rank, size)
@@ -347,13 +349,15 @@ class Runtime:
                 if broken or any(fut.lane is slot.lane for fut in zombies):
                     slot.backend.abandon(slot.group)
 
-    def _dump_flight_record(self, expired: list[CommFuture], record: str,
-                            dump: dict[str, Any]) -> None:
-        """On a timeout: the flight recorder (taken before the expired operations were given
-        up) to the configured destination."""
-        self.dump_flight_recorder(
-            reason=f"{len(expired)} operation(s) timed out: "
-                   f"{', '.join(repr(f) for f in expired)}", text=record, dump=dump)
+    def _on_timeout(self, expired: list[CommFuture]) -> Callable[[], None]:
+        """The engine's hook on a timeout (its lock held, the expired operations not yet given
+        up): the flight recorder as it stands, written to the configured destination once the
+        lock is released."""
+        record = flight_record(self.engine)
+        dump = flight_dump(self.engine, list(self.engine.waiting))
+        reason = (f"{len(expired)} operation(s) timed out: "
+                  f"{', '.join(repr(f) for f in expired)}")
+        return lambda: self.dump_flight_recorder(reason=reason, text=record, dump=dump)
 
     def _on_desync(self, fut: CommFuture) -> None:
         self.dump_flight_recorder(reason=f"{fut!r} failed: {fut._error}")
@@ -469,7 +473,7 @@ def _cuda_devices(known: Mapping[str, Any]) -> dict[str, Any]:
     index = torch.cuda.current_device()
     if f"cuda:{index}" in known:
         return {}
-    from .backends._cuda import CudaDevice
+    from ..backends._cuda import CudaDevice
 
     return {f"cuda:{index}": CudaDevice(index)}
 
@@ -516,7 +520,7 @@ def init(
 
     Works under ``mpiexec``/``srun`` (MPI and gloo, gloo bootstrapped through MPI), under
     ``torchrun`` (gloo only) and in a plain process (a world of one). Arguments override the
-    ``MCRDL_*`` environment variables (see ``mcrdl._config``).
+    ``MCRDL_*`` environment variables (see ``mcrdl.core._config``).
 
     Args:
         backends: names to bring up (default: all that can run under this launcher).
@@ -524,15 +528,15 @@ def init(
             CommTimeoutError; None for no limit.
         debug: check every collective's fingerprint across its group.
         check_tasks: warn (`TaskOrderWarning`) when two asyncio tasks have unnamed
-            collectives unfinished on one communicator at once (`mcrdl._taskcheck`):
+            collectives unfinished on one communicator at once (`mcrdl.front._taskcheck`):
             a cheap local check of the rule that debug mode checks across the ranks.
         tuning: a tuning table for ``backend="auto"``.
         progress_thread: run the background progress thread (default True).
         flight_recorder: where timeouts dump the flight recorder (``"stderr"`` or a path;
             ``{rank}`` in a path is replaced by the rank).
         host: this host's interface name (the same on every host) or its own address, to
-            bind and advertise instead of the one found (see the README, "Several hosts").
-        log: record every operation (`mcrdl._observe`): ``comm.log_summary()``, and a
+            bind and advertise instead of the one found (docs/hosts.md).
+        log: record every operation (`mcrdl.observe._recorder`): ``comm.log_summary()``, and a
             summary printed by rank 0 at ``finalize()``.
         trace: write a timeline of every rank's operations here at ``finalize()``
             (trace-event JSON for ui.perfetto.dev; rank 0 writes it).
@@ -595,6 +599,20 @@ def init(
 def current_runtime() -> Runtime | None:
     """The live runtime, if ``init()`` was called and not finalized."""
     return _live[0] if _live else None
+
+
+@contextmanager
+def span(name: str) -> Iterator[None]:
+    """``with mcrdl.span("forward"):`` marks a region of the program on the timeline (a track
+    of its own per rank, beside the lanes). Costs two clock reads; nothing when no trace or
+    log is being recorded."""
+    runtime = current_runtime()
+    recorder = runtime.recorder if runtime is not None else None
+    if recorder is None:
+        yield
+        return
+    with recorder.span(name):
+        yield
 
 
 def finalize() -> None:

@@ -2,7 +2,7 @@
 communicator and backend at once (``init(check_tasks=True)`` or ``MCRDL_CHECK_TASKS=1``).
 
 Unnamed collectives must reach each communicator in one order on every rank (rule 8 of
-DESIGN.md). Concurrent tasks submit in an order that timing decides, which differs between
+docs/design.md). Concurrent tasks submit in an order that timing decides, which differs between
 ranks, so two tasks' collectives of equal shape may be paired across tasks without any error.
 Debug mode catches such a swap across the ranks, for one small allgather per collective. This
 check is the cheap local one. It looks only at this rank's own submissions: the front calls it
@@ -33,8 +33,8 @@ import sys
 import warnings
 from typing import Any
 
-from ._types import COLLECTIVES
-from .engine import CommFuture
+from ..core._types import COLLECTIVES
+from ..engine import CommFuture
 
 __all__ = ["TaskCheck", "TaskOrderWarning"]
 

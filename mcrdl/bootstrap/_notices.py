@@ -1,4 +1,4 @@
-"""Notices: how a rank tells its peers that a communicator broke (DESIGN.md rule 7).
+"""Notices: how a rank tells its peers that a communicator broke (docs/design.md rule 7).
 
 A break is decided on one rank: one of its operations will not run as the peers expect (see
 `mcrdl.engine.CommState`). Its peers must stop too, within the runtime's timeout, naming that
@@ -26,8 +26,8 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .engine import CommState, Engine
-    from .engine._lanes import Stops
+    from ..engine import CommState, Engine
+    from ..engine._lanes import Stops
 
 __all__ = ["Notices"]
 

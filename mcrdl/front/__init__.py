@@ -1,0 +1,10 @@
+"""The front: ``init()``, the `Runtime` it makes, and the `Communicator` users call, which
+checks each call, picks its backend and hands it to the engine."""
+
+from ._communicator import Communicator
+from ._runtime import Runtime, current_runtime, finalize, init, span
+from ._select import Selector
+from ._taskcheck import TaskOrderWarning
+
+__all__ = ["Communicator", "Runtime", "Selector", "TaskOrderWarning", "current_runtime",
+           "finalize", "init", "span"]
