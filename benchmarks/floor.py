@@ -216,7 +216,7 @@ def seams_call_for(MPI, comm, kind: str, size: int):  # noqa: N803 - the module'
     fromaddress = MPI.buffer.fromaddress
     in_place = MPI.IN_PLACE
     test = MPI.Request.Test
-    burst = range(8)  # tests per hold of the lock, as Engine.spin_lone
+    burst = range(8)  # tests per hold of the lock, as Engine.poll on a lone request
     cache = comm._choice_cache
 
     def call(t, out=None, op=ReduceOp.SUM, root=0, backend="mpi"):
@@ -255,10 +255,10 @@ def seams_call_for(MPI, comm, kind: str, size: int):  # noqa: N803 - the module'
         with lock:
             if engine._closed or lane.comm.broken is not None:
                 raise RuntimeError("closed")
-            if (engine._unindexed is not None or engine._hazards._regions or lane.pending
+            if (engine._hazards.conflicts(fut) or lane.pending
                     or lane.issued >= lane.window):
                 raise AssertionError("nothing else is in flight here")
-            lane.submitted = fut.index = lane.submitted + 1
+            fut.index = lane.take(None)
             engine._unfinished += 1
             mpi_comm = slot.group.comm
             mtype = be._types[b.dtype]
@@ -281,7 +281,6 @@ def seams_call_for(MPI, comm, kind: str, size: int):  # noqa: N803 - the module'
             fut._request = req
             track = lane.track
             track.add(fut, req)
-            engine._unindexed = fut
         # the wait: tests in bursts under the lock, then the engine's settle
         engine.drivers += 1
         try:

@@ -91,7 +91,7 @@ def test_an_operation_in_flight_keeps_its_buffers_alive(backend):
             del x
             deadline = time.monotonic() + 30
             while fut.state == "PENDING" and time.monotonic() < deadline:
-                comm.runtime.engine.poll_once()  # alltoallv issues once its counts arrived
+                comm.runtime.engine.poll()  # alltoallv issues once its counts arrived
             gc.collect()
             assert fut.state == "ISSUED", f"{name} is {fut.state}: nothing to check"
             assert ref() is not None, f"{name}: its input was released while in flight"
@@ -274,7 +274,7 @@ def test_an_abandoned_mpi_group_is_never_freed(world):
     assert comm.Get_size() == 1  # still a live communicator (freed, it would be COMM_NULL)
 
 
-@pytest.mark.parametrize("module, name", [("mcrdl.engine._progress", "_ABANDONED"),
+@pytest.mark.parametrize("module, name", [("mcrdl.engine._breaks", "_ABANDONED"),
                                           ("mcrdl.backends.mpi", "_KEPT")])
 def test_what_is_kept_for_the_rest_of_the_process_outlives_the_interpreters_teardown(
         module, name):

@@ -1,8 +1,8 @@
-"""The progress engine: futures, the dependency DAG, lanes, and the drivers that poll them."""
+"""The progress engine: futures, the dependency DAG, lanes, one poll, and the drivers."""
 
-from ._drivers import PollPolicy
+from ._core import Engine, EngineStats
 from ._future import CommFuture
+from ._idle import PollPolicy
 from ._lanes import CommState, Lane, OpRecord
-from ._progress import Engine, EngineStats
 
 __all__ = ["CommFuture", "CommState", "Engine", "EngineStats", "Lane", "OpRecord", "PollPolicy"]

@@ -7,7 +7,7 @@ dtype and reduce op, each of at most ``FUSE_OP_BYTES``, are *fused*, up to the r
 group's first operation (its *carrier*) copies every member's bytes into one buffer when it
 is issued, allreduces that buffer, and copies each member's share back in its finishing
 step. The others are issued with the carrier and end with it, done or failed as
-it is (`Engine._carry`, `Engine._end_carried`): their peers ran them as this rank did, so a
+it is (`Engine._issue`, `Engine._end_carried`): their peers ran them as this rank did, so a
 failure of the carrier in flight fails them without breaking the communicator, as it fails
 an operation that ran alone. Each keeps its place in the lane (rule 7 counts positions), its
 hazards and its own finishing step (an emulated AVG's division).
@@ -116,7 +116,7 @@ class _Fused:
         self.start_op, self.group, self.op = carrier.start, group, op
         self.finish_op = carrier.finish
         carrier.start, carrier.args, carrier.finish = self.start, (), self.finish
-        carrier.carried = futs[1:]  # (issued with it, ended with it: Engine._carry)
+        carrier.carried = futs[1:]  # (issued with it, ended with it: Engine._issue)
 
     def start(self) -> Any:
         """Copy every member's bytes into a fusion buffer, and start its allreduce. (The
@@ -155,7 +155,7 @@ class _Fused:
         at = self.addr
         copies = []
         for fut, b in self.members:
-            if fut._state == ISSUED:  # (the carrier, and what it carries: Engine._carry)
+            if fut._state == ISSUED:  # (the carrier, and what it carries: Engine._issue)
                 copies.append((b.addr, at, b.nbytes))
             at += b.nbytes
         carrier.lane.backend.copy_host(copies)

@@ -11,22 +11,42 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core._errors import InvalidStateError
-
-if TYPE_CHECKING:
-    from ._lanes import Lane
-    from ._progress import Engine
-
-__all__ = ["CANCELLED", "DONE", "FAILED", "ISSUED", "PENDING", "STATE_NAMES", "CommFuture",
-           "report_callback_error"]
-
+from ._drivers import drive_async as _drive_async
 from ._drivers import wait as _wait
 from ._states import CANCELLED, DONE, FAILED, ISSUED, PENDING, STATE_NAMES
 
+if TYPE_CHECKING:
+    from ._core import Engine
+    from ._lanes import Lane
+
+__all__ = ["CANCELLED", "DONE", "FAILED", "ISSUED", "PENDING", "STATE_NAMES", "CommFuture",
+           "Placement", "report_callback_error"]
+
 _log = logging.getLogger("mcrdl")
 Ranges = tuple[tuple[int, int], ...]
+
+
+class Placement(Protocol):
+    """What places an operation in a lane once its dependencies have finished, where its
+    place is not known at submission: a routed operation's `Route` (its lane is chosen by
+    what a dependency produces) and a communicator's `Names` (its members agree on the
+    order). Every method runs with the engine's lock held."""
+
+    #: Whether it gathers operations that tasks submit in a burst (an awaiting task gives
+    #: its event loop one iteration before it drives, so that its siblings submit theirs).
+    gathers: bool
+
+    def ready(self, fut: CommFuture) -> None:
+        """``fut``'s dependencies have finished: place it (or offer it to be placed)."""
+
+    def drop(self, fut: CommFuture) -> None:
+        """``fut`` ended before it was placed."""
+
+    def position(self, fut: CommFuture, lane: Lane) -> int | None:
+        """The position ``fut`` holds on ``lane`` until it is placed (None: none there)."""
 
 
 def report_callback_error(fn: Callable[..., object], fut: CommFuture) -> None:
@@ -68,10 +88,9 @@ class CommFuture:
     - ``_dependants`` lists the futures that counted this one in their ``_deps_left`` and
       wait for its end; ``_on_stream`` those that went on once it was queued on its stream,
       their streams waiting on ``event`` (its failure fails them too).
-    - ``_route`` is set while an operation whose lane is chosen late (``Engine.submit``'s
-      ``route``) waits for its dependencies, and while a named operation waits for its
-      members to agree on its place (the communicator's `Names`, ``Engine.submit``'s
-      ``named``).
+    - ``_placement`` is set while the operation has no place in a lane yet: its lane is
+      chosen once its dependencies have finished (a `Route`), or its members agree on its
+      place (the communicator's `Names`); None once placed, and for every other operation.
     - ``index`` is its position among its lane's collectives (or its stream's operations),
       from 1, the same on every member: the peers match by it (set at submission).
     - ``waits`` (None, or a list) holds the device events it must not run before: the
@@ -110,7 +129,7 @@ class CommFuture:
         "_dependants",
         "_on_stream",
         "_request",
-        "_route",
+        "_placement",
         "index",
         "t_submit",
         "t_issue",
@@ -168,7 +187,7 @@ class CommFuture:
         self._deps_left = 0
         self._dependants: list[CommFuture] | None = None
         self._on_stream: list[CommFuture] | None = None
-        self._route: Any = None
+        self._placement: Placement | None = None
         self.t_issue = 0.0
 
     # -- state ---------------------------------------------------------------------------
@@ -247,10 +266,10 @@ class CommFuture:
             Exception: whatever failed the operation.
         """
         if self._state < DONE:
-            # The commonest wait is on the only request in flight, on MPI: spin on it with
-            # direct tests first (Engine.spin_lone), then poll the general way.
+            # Most small operations end in the first poll: the driver starts only after it.
             engine = self._engine
-            if not engine.spin_lone(self):
+            engine.poll(self)
+            if self._state < DONE:
                 _wait(engine, self, timeout)
         return self.result()
 
@@ -281,12 +300,15 @@ class CommFuture:
 
     def __await__(self) -> Generator[Any, None, Any]:
         # Cancelling the awaiting task stops the waiting, never the operation: its peers
-        # match it whatever this task does next. As in wait(), the lone spin comes first:
-        # most small MPI operations end in it, before any generator is made.
+        # match it whatever this task does next. As in wait(), one poll first, but for an
+        # operation not placed yet: a named one waits for its sibling tasks' first (they go
+        # in one agreement round), and its round is posted by a poll.
         if self._state < DONE:
             engine = self._engine
-            if not engine.spin_lone(self):
-                yield from engine.drive_async(self)
+            if self._placement is None:
+                engine.poll(self)
+            if self._state < DONE:
+                yield from _drive_async(engine, self)
         return self.result()
 
     def cancel(self) -> bool:

@@ -17,6 +17,10 @@ A range with one access and no other range at its start (most ranges in flight: 
 operation on its own buffer) is kept as that access itself, with its stop and mode in a
 plain dict of ints: no object per range for the garbage collector to scan. It becomes a
 ``_Region`` when a second access or a second range at the same start arrives.
+
+The newest operation is recorded only when the next one asks for its conflicts, if the
+engine issued it at once (``add`` records one it queued): a program that waits for each
+operation before submitting the next never pays for the index.
 """
 
 from __future__ import annotations
@@ -76,9 +80,11 @@ class HazardIndex:
       starts in ``_dead`` (keys that left ``_regions`` and wait for the next compaction).
     - ``_maxlen`` is at least the length of every range present (it grows while any range
       exists and resets when none does; it bounds how far back an overlap query looks).
+    - ``_newest`` is None, or the newest operation, unfinished and with ranges that are not
+      recorded yet; the index holds every other unfinished operation's.
     """
 
-    __slots__ = ("_regions", "_lone", "_starts", "_dead", "_maxlen")
+    __slots__ = ("_regions", "_lone", "_starts", "_dead", "_maxlen", "_newest")
 
     def __init__(self) -> None:
         self._regions: dict[int, _Region | CommFuture] = {}
@@ -86,6 +92,7 @@ class HazardIndex:
         self._starts: list[int] = []
         self._dead: set[int] = set()
         self._maxlen = 0
+        self._newest: CommFuture | None = None
 
     def _overlapping(self, start: int, stop: int, deps: dict[CommFuture, None],
                      writes: bool) -> list[_Region]:
@@ -111,10 +118,17 @@ class HazardIndex:
                     deps[entry] = None
         return found
 
-    def conflicts(
-        self, reads: tuple[tuple[int, int], ...], writes: tuple[tuple[int, int], ...]
-    ) -> dict[CommFuture, None]:
-        """The unfinished operations that an operation with these ranges must follow."""
+    def conflicts(self, fut: CommFuture) -> dict[CommFuture, None] | None:
+        """The unfinished operations that ``fut``, the newest operation, must follow (None
+        for none). Its own ranges are recorded when the next operation asks, if it is still
+        unfinished then, or by ``add``."""
+        newest = self._newest
+        self._newest = fut if fut.reads or fut.writes else None
+        if newest is not None:  # it is still unfinished: its ranges matter now
+            self._record(newest)
+        if not self._regions:
+            return None
+        reads, writes = fut.reads, fut.writes
         deps: dict[CommFuture, None] = {}
         for start, stop in writes:
             for region in self._overlapping(start, stop, deps, True):
@@ -172,20 +186,21 @@ class HazardIndex:
                 self._maxlen = stop - start
         return region
 
-    def add(
-        self,
-        fut: CommFuture,
-        reads: tuple[tuple[int, int], ...],
-        writes: tuple[tuple[int, int], ...],
-    ) -> None:
-        """Record ``fut``'s accesses; it has been given its dependencies already."""
-        for start, stop in writes:
+    def add(self, fut: CommFuture) -> None:
+        """Record ``fut``'s accesses now (it waits to be issued); it has been given its
+        dependencies already."""
+        if fut is self._newest:
+            self._newest = None
+        self._record(fut)
+
+    def _record(self, fut: CommFuture) -> None:
+        for start, stop in fut.writes:
             region = self._region(start, stop, fut, True)
             if region is not None:
                 region.note(fut, True)
                 region.writer = fut
                 region.readers = None
-        for start, stop in reads:
+        for start, stop in fut.reads:
             region = self._region(start, stop, fut, False)
             if region is not None and region.note(fut, False):
                 if region.readers is None:
@@ -193,17 +208,21 @@ class HazardIndex:
                 else:
                     region.readers[fut] = None
 
-    def remove(
-        self,
-        fut: CommFuture,
-        reads: tuple[tuple[int, int], ...],
-        writes: tuple[tuple[int, int], ...],
-        normal: bool,
-    ) -> None:
+    def keep(self, fut: CommFuture) -> None:
+        """``fut`` ended, but its backend may still use its bytes (a zombie): its ranges stay
+        recorded until ``remove``."""
+        if fut is self._newest:
+            self._newest = None
+            self._record(fut)
+
+    def remove(self, fut: CommFuture, normal: bool) -> None:
         """Forget ``fut``'s accesses; ``normal`` is False when it failed or was cancelled."""
-        for start, stop in writes:
+        if fut is self._newest:
+            self._newest = None
+            return
+        for start, stop in fut.writes:
             self._forget(fut, start, stop, normal)
-        for start, stop in reads:
+        for start, stop in fut.reads:
             self._forget(fut, start, stop, normal)
         if not self._regions:
             self._maxlen = 0

@@ -10,6 +10,8 @@ from ._states import STATE_NAMES
 if TYPE_CHECKING:
     from ..backends import Backend
     from ._future import CommFuture
+    from ._names import Names
+    from ._tracks import Track
 
 __all__ = ["CommState", "Lane", "OpRecord", "Stops"]
 
@@ -78,7 +80,7 @@ class CommState:
         self.lanes: list[Lane] = []
         self.broken: str | None = None
         self.stops: dict[int, Stops] = {}
-        self.names: Any = None
+        self.names: Names | None = None
 
     def __repr__(self) -> str:
         state = f" broken: {self.broken}" if self.broken is not None else ""
@@ -127,7 +129,7 @@ class Lane:
         "device",
     )
 
-    def __init__(self, backend: Backend, group: Any, comm: CommState, name: str,
+    def __init__(self, backend: Backend, group: Any, comm: CommState, name: str, track: Track,
                  named: bool = False) -> None:
         self.backend = backend
         self.backend_name = backend.name
@@ -146,11 +148,11 @@ class Lane:
         # Plain tuples in OpRecord's field order (a NamedTuple costs 0.4 µs more per op);
         # the state is the future's state number.
         self.history: deque[tuple[Any, ...]] = deque(maxlen=HISTORY)
-        #: The engine's in-flight record of this lane's backend (set by the engine).
-        self.track: Any = None
+        #: The engine's in-flight record of this lane's backend.
+        self.track = track
         #: Whether a lone request of this lane may be waited on in the backend (``block``).
         self.blocking: bool = backend.capabilities.blocking_wait
-        #: Whether a waiter may spin on a lone request of this lane (Engine.spin_lone): its
+        #: Whether a waiter may test a lone request of this lane in bursts (Engine.poll): its
         #: backend moves data only while polled, and has no threads of its own to starve.
         self.spins_alone: bool = not backend.capabilities.self_progressing
         #: Whether the lane's issued work runs one at a time in issue order (see
@@ -175,6 +177,16 @@ class Lane:
                     f"gives no stream for its group: a stream-ordered backend implements "
                     f"Backend.stream(group)")
             self.device = backend.device
+
+    def take(self, stream: tuple[int, int, bool] | None) -> int:
+        """The next position on this lane, the same on every member (their peers match
+        operations by it, and rule 7 stops at it): among its collectives (``stream`` None),
+        or among the sends or receives of ``stream``."""
+        if stream is None:
+            self.submitted = n = self.submitted + 1
+        else:
+            self.streams[stream] = n = self.streams.get(stream, 0) + 1
+        return n
 
     def records(self) -> list[OpRecord]:
         """The flight record: the last finished operations of this lane, oldest first."""

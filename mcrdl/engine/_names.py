@@ -71,12 +71,11 @@ from ..core._errors import DesyncError
 from ..core._types import DType
 from ._fusion import fuse
 from ._future import CommFuture
-from ._progress import AGREEMENT_KIND
-from ._states import DONE
+from ._states import AGREEMENT_KIND, DONE
 
 if TYPE_CHECKING:
     from ._lanes import CommState, Lane
-    from ._progress import Engine
+    from ._core import Engine
 
 __all__ = ["MAX_NAME_BYTES", "Names"]
 
@@ -120,9 +119,10 @@ def _entry(key: tuple[str, str]) -> bytes:
 class Names:
     """The named operations of one communicator, and the rounds that agree on them.
 
-    Everything here runs with the engine's lock held: ``hold`` from ``Engine.submit``,
-    ``ready`` when an operation's dependencies have finished, ``drop`` when one fails before
-    it was placed, the round's finishing step when a round completes.
+    The `Placement` of every named operation of its communicator. Everything here runs with
+    the engine's lock held: ``hold`` from ``Engine.submit``, ``ready`` when an operation's
+    dependencies have finished, ``drop`` when one fails before it was placed, the round's
+    finishing step when a round completes.
 
     Invariants:
     - ``held`` maps each named operation submitted here and not yet placed to its
@@ -142,6 +142,10 @@ class Names:
     - ``spare``, when set, is the last round that ended: its row's bytes, its table and their
       buffers, which no backend uses any more; the next round of the same width reuses them.
     """
+
+    #: Awaiting tasks give their loop one iteration first: their siblings' operations then
+    #: go in the same round.
+    gathers = True
 
     def __init__(self, engine: Engine, comm: CommState, lane: Lane,
                  fusion_bytes: int) -> None:
@@ -199,7 +203,7 @@ class Names:
     def ready(self, fut: CommFuture) -> None:
         """``fut``'s dependencies have finished: offer it to the members' agreement."""
         entry = self.held[fut]
-        entry[1] = self.engine._clock()
+        entry[1] = self.engine.now()
         if self.size == 1:
             del self.held[fut]
             self.engine.place([fut])
@@ -243,9 +247,12 @@ class Names:
     def fail(self, futs: list[tuple[CommFuture, DesyncError]]) -> None:
         """Fail each held future with its error, and break the communicator for the first
         (the members no longer agree on what runs next)."""
-        engine = self.engine
-        engine._work.extend(futs)
-        engine._break(self.comm, f"on rank {self.rank}, {futs[0][1]}", futs[0][0])
+        self.engine.fail_and_break(futs, self.comm,  # type: ignore[arg-type]
+                                   f"on rank {self.rank}, {futs[0][1]}")
+
+    def position(self, fut: CommFuture, lane: Lane) -> int | None:
+        """None: a named operation holds no position before its members agree on it."""
+        return None
 
     def expired(self, limit: float) -> list[CommFuture]:
         """The ready operations that have waited for agreement since before ``limit``."""
@@ -337,7 +344,7 @@ class Names:
             fuse(placed, self.fusion_bytes)
         engine = self.engine
         engine.place(placed)
-        self.last_time = now = engine._clock()
+        self.last_time = now = engine.now()
         self.last_masks = masks
         lacking = self._check_signatures(masks, everywhere)  # (with the slots as posted)
         self.evicted = [self._cache(key) for key in agreed]
@@ -445,7 +452,7 @@ class Names:
         missing = [r for r in others
                    if not ((slot is not None and self.last_masks[r] >> slot & 1)
                            or key in self.published[r])]
-        age = self.engine._clock() - self.last_time
+        age = self.engine.now() - self.last_time
         if not missing:
             return (f"{head}: every member had it at the last agreement round, {age:.3g} s "
                     f"ago, but the next round did not complete")

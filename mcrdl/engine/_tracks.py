@@ -18,11 +18,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._states import ISSUED
+
 if TYPE_CHECKING:
     from ..backends import Backend
     from ._future import CommFuture
 
-__all__ = ["Track", "WINDOW"]
+__all__ = ["Track", "WINDOW", "with_carried"]
 
 #: Requests tested per window (the oldest window and the rotating one).
 WINDOW = 64
@@ -159,3 +161,10 @@ class Track:
         self.futs = []
         self.reqs = []
         self.first = self.live = self.rot = 0
+
+
+def with_carried(futs: list[CommFuture]) -> list[CommFuture]:
+    """``futs`` (issued), and the operations fused into them and in flight with them
+    (`_fusion`: they have no request of their own)."""
+    return futs + [m for f in futs if f.carried is not None for m in f.carried
+                   if m._state == ISSUED]

@@ -17,7 +17,7 @@ from ..core._errors import CommClosedError, MCRDLError, UnsupportedOperationErro
 from ..core._types import COLLECTIVES, DType, OpKind, ReduceOp
 from ..engine import CommFuture
 from ..engine._names import MAX_NAME_BYTES, Names
-from ..engine._progress import CHECK_KIND
+from ..engine._states import CHECK_KIND
 from ._alltoallv import Exchanged
 from ._debug import FIELDS, check, describe, fingerprint, task_id
 
@@ -96,7 +96,8 @@ class Communicator:
         self._named = named or {}
         self._cseq = 0  # collectives submitted (debug mode's fingerprint sequence)
         self._engine = runtime.engine
-        self._names: Names = next(iter(slots.values())).lane.comm.names
+        #: Its named operations' agreement (the runtime gives every communicator one).
+        self._names = cast("Names", next(iter(slots.values())).lane.comm.names)
         self._selector = runtime.selector
         self.name = name
         #: The world ranks of the members, in this communicator's rank order.

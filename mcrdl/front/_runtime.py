@@ -33,7 +33,7 @@ from ..core._errors import (
 )
 from ..engine import CommFuture, Engine, PollPolicy
 from ..engine._names import Names
-from ..engine._progress import linger
+from ..engine._breaks import linger
 from ..observe._flight import flight_dump, flight_record
 from ..observe._recorder import Recorder, format_summary, summarize, trace_events
 from ..tuning._table import TuningTable

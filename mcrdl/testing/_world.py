@@ -234,9 +234,10 @@ class SimWorld:
                 sims[name].capabilities = replace(sims[name].capabilities,
                                                   devices=frozenset({"cpu"}),
                                                   direct=frozenset({SIM_KIND}))
+            # Its ranks progress only when the scheduler runs them: a waiter never spins.
             engine = (engine_factory or Engine)(
-                background=False, policy=PollPolicy(spin_polls=0), timeout=timeout,
-                clock=self.clock)
+                background=False, policy=PollPolicy(spin_polls=0, lone_spins=0),
+                timeout=timeout, clock=self.clock)
             engine.idle_hook = self.yield_
             selector = selector_factory(rank, tuple(sims)) if selector_factory else None
             config = Config(progress_thread=False, timeout=timeout, debug=debug)
@@ -379,25 +380,10 @@ class SimWorld:
         return [t.result for t in ranks]
 
     def _deadlines(self) -> list[int]:
-        """Steps at which a deferred agreement round is due, and at which an in-flight
-        operation, or a named one waiting for agreement, times out (with a timeout
-        configured)."""
-        steps = []
-        for runtime in self.runtimes:
-            engine = runtime.engine
-            steps += [int(names.later / STEP_SECONDS) + 1 for names in engine._deferred
-                      if names.later is not None]
-            since = [f.t_issue for track in engine._track_list for f, _ in track.items()]
-            since += [ready for comm in engine._comms.values() if comm.names is not None
-                      for _, ready in comm.names.held.values() if ready is not None]
-            timeout = engine.timeout
-            if timeout is None:
-                continue
-            for t in since:
-                # one step past the deadline, plus the engine's check interval
-                limit = t + timeout + min(timeout / 8, 0.25)
-                steps.append(int(limit / STEP_SECONDS) + 1)
-        return steps
+        """Steps at which an engine has something due that no poll finds by itself (a
+        deferred agreement round, a timeout: `Engine.deadlines`), one step past each."""
+        return [int(t / STEP_SECONDS) + 1 for runtime in self.runtimes
+                for t in runtime.engine.deadlines()]
 
     def _abort(self) -> None:
         """Unwind every thread still parked (workers, deadlocked ranks)."""

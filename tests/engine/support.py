@@ -29,7 +29,7 @@ def submit(engine, backend, kind, reads=(), writes=(), after=(), comm="world", r
 
 def finish(engine, backend, i, error=None):
     backend.finish(backend.started[i], error)
-    engine.poll_once()
+    engine.poll()
 
 A = (0x1000, 0x1100)  # a buffer's byte range
 

@@ -142,7 +142,7 @@ def test_a_lone_await_on_a_blocking_backend_blocks_in_short_slices_in_the_loop(o
 
 def test_a_lone_wait_spins_on_its_request_and_settles_it():
     """The only unfinished operation, on a backend that moves data only while polled, is
-    waited for by direct tests (Engine.spin_lone), not by polls of every track; a failure
+    waited for by direct tests (Engine.poll in focus), not by polls of every track; a failure
     there fails the future with the backend's error; an oversubscribed node never spins."""
     from mcrdl.engine import PollPolicy
 
@@ -162,15 +162,15 @@ def test_a_lone_wait_spins_on_its_request_and_settles_it():
     assert record.t_submit <= record.t_issue <= record.t_done == fut.t_done
     assert fut.args is None and fut.hold is None  # buffers released at once
 
-    # A simulated world progresses only in its idle hook: no lone spin there, and spinning
-    # resumes once the hook is gone.
+    # A simulated world's ranks progress only in its scheduler: its policy has no lone
+    # spins, and a poll in focus walks the tracks there.
     hooked = Counting(after=3)
-    engine = Engine(background=False)
-    engine.idle_hook = lambda: None
+    engine = Engine(background=False, policy=PollPolicy(spin_polls=0, lone_spins=0))
     fut = submit(engine, hooked, "allreduce")
-    assert engine.spin_lone(fut) is False and hooked.one_tests == 0
-    engine.idle_hook = None
-    assert engine.spin_lone(fut) is True and hooked.one_tests == 3
+    assert engine.poll(fut) is False and hooked.one_tests == 0 and hooked.tests == 1
+    engine = Engine(background=False)
+    fut = submit(engine, hooked, "allreduce")
+    assert engine.poll(fut) is True and hooked.one_tests == 3 and hooked.tests == 1
 
     failing = Counting(after=2, error=BackendError("link down"))
     engine = Engine(background=False)
@@ -187,11 +187,13 @@ def test_a_lone_wait_spins_on_its_request_and_settles_it():
     assert slow.one_tests == 0 and slow.tests > 0
 
 def test_a_lone_spin_counts_as_a_driver_so_the_background_thread_keeps_off():
-    """While a waiter spins on its lone operation the engine counts it as a driver, so the
-    background thread parks instead of polling beside it: a test of a large MPI message moves
-    a chunk of it, the spin can last the whole operation, and the thread's polls beside it
-    slowed large operations (docs/performance.md)."""
-    backend = Counting(after=5)
+    """Once a waiter's first poll has not finished its lone operation, the engine counts it
+    as a driver while it spins, so the background thread parks instead of polling beside it:
+    a test of a large MPI message moves a chunk of it, the spin can last the whole operation,
+    and the thread's polls beside it slowed large operations (docs/performance-log.md)."""
+    from mcrdl.engine._idle import BURST
+
+    backend = Counting(after=BURST + 5)
     engine = Engine(background=False)
     fut = submit(engine, backend, "allreduce")
     seen = []
@@ -202,8 +204,8 @@ def test_a_lone_spin_counts_as_a_driver_so_the_background_thread_keeps_off():
         return real_test_one(request)
 
     backend.test_one = test_one  # type: ignore[method-assign]
-    assert engine.spin_lone(fut) is True
-    assert seen == [1] * 5 and engine.drivers == 0
+    fut.wait(timeout=5.0)
+    assert seen == [0] * BURST + [1] * 5 and engine.drivers == 0
 
 
 def test_the_contract_default_test_one_reports_a_failed_request():
@@ -221,8 +223,11 @@ def test_the_contract_default_test_one_reports_a_failed_request():
     assert fut.state == "FAILED" and engine.in_flight() == 0
 
 def test_an_awaited_lone_spin_is_bounded_before_the_loop_gets_a_turn():
-    """``await`` spins on a lone operation at most ``lone_spins`` tests before it gives the
-    event loop an iteration, as ``wait()`` spins at most that many before it polls."""
+    """``await`` spins on a lone operation at most ``lone_spins`` tests after its first poll
+    before it gives the event loop an iteration, as ``wait()`` spins at most that many
+    before it yields."""
+    from mcrdl.engine._idle import BURST
+
     backend = Counting(after=10**9)
     engine = Engine(background=False)
     fut = submit(engine, backend, "allreduce")
@@ -231,7 +236,7 @@ def test_an_awaited_lone_spin_is_bounded_before_the_loop_gets_a_turn():
     async def main():
         async def other():  # runs at the awaiting task's first yield
             seen.append(backend.one_tests)
-            backend.started[0].done = True
+            backend.after = 0  # (its request has finished)
 
         task = asyncio.ensure_future(other())
         await fut
@@ -239,13 +244,13 @@ def test_an_awaited_lone_spin_is_bounded_before_the_loop_gets_a_turn():
 
     asyncio.run(main())
     assert fut.done()
-    assert 0 < seen[0] <= engine.policy.lone_spins
+    assert engine.policy.lone_spins <= seen[0] <= BURST + engine.policy.lone_spins
 
 def test_a_lone_spin_stops_when_another_operation_arrives():
-    """A spin is bounded (lone_spins tests), so an operation that another thread submits
-    meanwhile is polled soon after (rule 5 of docs/design.md: the spin cannot interleave with the
-    submitter, which waits for the engine's lock or the GIL); and a wait that starts with
-    two in flight never spins."""
+    """Direct tests of a lone request come in bursts under one hold of the lock, so an
+    operation that another thread submits meanwhile gets in between, and is polled by the
+    very next poll: no direct test follows its arrival (rule 5 of docs/design.md); and a wait
+    that starts with two in flight never spins."""
     backend = Counting(after=10**9)
     engine = Engine(background=False)
     first = submit(engine, backend, "allreduce")
@@ -259,9 +264,12 @@ def test_a_lone_spin_stops_when_another_operation_arrives():
 
     backend.test_one = test_one  # type: ignore[method-assign]
 
+    at_arrival = []
+
     def arrive():  # another thread submits while the first waiter spins
         go.wait(5.0)
         submit(engine, backend, "allreduce", comm="other")
+        at_arrival.append(backend.one_tests)
         for req in backend.started:
             req.done = True
 
@@ -270,8 +278,8 @@ def test_a_lone_spin_stops_when_another_operation_arrives():
     assert first.wait(timeout=5.0) is None
     thread.join(5.0)
     assert backend.tests > 0  # the general poll found both
-    assert backend.one_tests <= engine.policy.lone_spins
-    engine.poll_once()
+    assert at_arrival == [backend.one_tests]
+    engine.poll()
     assert engine.in_flight() == 0
 
     # Two in flight from the start: no spin at all.
@@ -308,7 +316,7 @@ def test_a_wait_spins_on_the_only_request_in_flight_with_a_queue_behind_it():
 def test_an_await_spins_on_its_operation_once_a_poll_issues_it(spin_polls):
     """An awaited operation that one of the awaiting task's polls issues (it waited behind
     another in its lane, as on MPI's window of one; a named one waits for its agreement) is
-    then spun on alone, as ``await`` spins first (Engine.spin_lone): polled with a loop
+    then spun on alone (Engine.poll in focus, a burst of direct tests): polled with a loop
     iteration between polls, a large MPI message moves only at each poll."""
     from dataclasses import replace
 
@@ -358,7 +366,7 @@ class _FirstEndsAtPoll(Counting):
 def test_a_wait_spins_on_its_operation_once_a_poll_issues_it(spin_polls, poll):
     """``wait()`` as ``await``: an operation that one of the waiter's polls issues (behind
     another in MPI's window of one; a named one once its members agreed) is then spun on
-    alone with direct tests (Engine.spin_lone), where a poll walks every track."""
+    alone with direct tests (Engine.poll in focus), where a poll walks every track."""
     from dataclasses import replace
 
     from mcrdl.engine import PollPolicy
@@ -423,13 +431,12 @@ def _naps(policy, clock, mpi):
     thread._thread = threading.current_thread()  # (so that wake() starts no thread)
     thread.parked = thread.deep = False  # (the stub park never parks)
     engine._thread = thread  # (for wake_background)
-    thread._interval = engine.policy.background_min
     turns = []
 
     def turns_of(n):
         parks.clear()
         for _ in range(n):
-            thread._step(engine, engine.policy)
+            thread._step(engine)
         turns.append(list(parks))
 
     fut = submit(engine, mpi, "allreduce")
@@ -442,7 +449,7 @@ def _naps(policy, clock, mpi):
     turns_of(2)
     engine.drivers = 0
     mpi.finish(mpi.started[-1])
-    engine.poll_once()
+    engine.poll()
     assert fut.done()
     thread._idle_since = float("inf")  # (not idle long enough to sleep deep)
     turns_of(3)

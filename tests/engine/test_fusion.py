@@ -74,10 +74,10 @@ def test_a_fused_group_runs_as_one_allreduce_and_each_member_gets_its_share(engi
     assert all(f"allreduce#{i}" in flight_record(engine) for i in (1, 2, 3))
     with pytest.raises(InvalidStateError, match=r"fused into allreduce#1"):
         futs[2].cancel()
-    assert not engine.spin_lone(futs[1])  # spins on its carrier's request: not finished
+    assert not engine.poll(futs[1])  # in focus: its carrier's request, not finished
     fused *= 2  # what the peers' sum would be
     mpi.finish(req)
-    assert engine.spin_lone(futs[2])  # found by a direct test of its carrier's request
+    assert engine.poll(futs[2])  # found by a direct test of its carrier's request
     assert [f.state for f in futs] == ["DONE"] * 3
     assert [a.tolist() for a in arrays] == [[2.0, 2.0], [4.0, 4.0, 4.0], [6.0]]
     assert [f.result() is a for f, a in zip(futs, arrays)] == [True] * 3
@@ -90,7 +90,7 @@ def test_a_carrier_failing_in_flight_fails_its_members_and_leaves_the_communicat
     arrays = [np.full(2, 1.0), np.full(2, 2.0)]
     futs = _agreed(engine, mpi, arrays)
     mpi.finish(mpi.started[0], BackendError("lost a message"))
-    engine.poll_once()
+    engine.poll()
     assert futs[0].state == "FAILED" and isinstance(futs[0].exception(), BackendError)
     assert futs[1].state == "FAILED"
     with pytest.raises(BackendError, match=r"fused into allreduce#1, which failed: "
@@ -115,7 +115,7 @@ def test_a_fused_group_keeps_no_members_buffer_once_it_ended(engine, mpi, error)
     view = mpi.started[0].args[1].obj
     assert _fusion.carried(view) == arrays  # in flight: the simulated world sees them
     mpi.finish(mpi.started[0], error)
-    engine.poll_once()
+    engine.poll()
     assert [f.state for f in futs] == ["FAILED" if error else "DONE"] * 2
     refs = [weakref.ref(a) for a in arrays]
     del arrays, futs, view
@@ -161,7 +161,7 @@ def test_a_spare_fusion_buffer_too_small_for_a_later_group_is_not_reused(engine,
     monkeypatch.setattr(_fusion, "_SPARES", {})
     futs = _agreed(engine, mpi, [np.ones(2), np.ones(2)], limit=32)
     mpi.finish(mpi.started[0])
-    engine.poll_once()
+    engine.poll()
     assert [f.state for f in futs] == ["DONE"] * 2
     _agreed(engine, mpi, [np.full(40, 1.0), np.full(40, 2.0)])
     fused = mpi.started[1].args[1].obj

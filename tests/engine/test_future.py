@@ -16,7 +16,7 @@ def test_callbacks_run_once_and_late_ones_at_once(engine, mpi):
     f = submit(engine, mpi, "barrier")
     f.add_done_callback(lambda fut: seen.append(("early", fut.state)))
     finish(engine, mpi, 0)
-    engine.poll_once()
+    engine.poll()
     f.add_done_callback(lambda fut: seen.append(("late", fut.state)))
     assert seen == [("early", "DONE"), ("late", "DONE")]
 
@@ -89,7 +89,7 @@ def test_a_callback_registered_while_the_future_settles_is_never_lost(engine, mp
     registrar.start()
     assert lock.waiting.wait(5.0), "add_done_callback did not wait for the settle"
     mpi.finish(mpi.started[0])
-    engine._work.extend(engine._tracks[mpi].poll())  # settle, as poll_once would
+    engine._work.extend(engine._tracks[mpi].poll())  # settle, as poll would
     engine._run_work()
     assert f.done() and seen == []
     lock.release()

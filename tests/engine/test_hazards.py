@@ -6,21 +6,64 @@ from __future__ import annotations
 from tests.engine.support import A_HALF, A, B
 
 
+class Op:
+    """Stands for an operation: what the index reads of one."""
+
+    def __init__(self, name, reads=(), writes=()):
+        self.name, self.reads, self.writes = name, tuple(reads), tuple(writes)
+
+    def __repr__(self):
+        return self.name
+
+
+def conflicts(index, reads=(), writes=()):
+    """The names of the operations one with these ranges must follow (it is submitted, then
+    ends at once)."""
+    probe = Op("probe", reads, writes)
+    found = [op.name for op in index.conflicts(probe) or ()]
+    index.remove(probe, True)
+    return found
+
+
+def test_the_newest_operation_is_recorded_only_once_another_asks():
+    """An operation issued at once is recorded when the next one asks for its conflicts, if
+    it is unfinished then; one that ended before is never recorded; one queued is recorded
+    at once (``add``); a zombie's ranges stay (``keep``)."""
+    from mcrdl.engine._hazards import HazardIndex
+
+    index = HazardIndex()
+    first = Op("first", (), (A,))
+    assert index.conflicts(first) is None and not index._regions  # issued at once
+    index.remove(first, True)  # it ended: never recorded
+    second = Op("second", (), (A,))
+    assert index.conflicts(second) is None and not index._regions
+    assert conflicts(index, (A,)) == ["second"]  # recorded once the probe asked
+    queued = Op("queued", (B,), ())
+    assert not index.conflicts(queued)
+    index.add(queued)  # queued behind something: recorded now
+    assert conflicts(index, (), (B,)) == ["queued"]
+    zombie = Op("zombie", (), (A_HALF,))
+    index.conflicts(zombie)
+    index.keep(zombie)  # given up while its backend may still write A_HALF
+    assert conflicts(index, (A_HALF,)) == ["second", "zombie"]
+
+
 def test_hazard_index_forgets_only_the_accesses_it_holds():
     """Removing an operation from a range it never touched leaves that range's accesses
     alone, whether the range holds one access or several."""
     from mcrdl.engine._hazards import HazardIndex
 
     index = HazardIndex()
-    index.add("w", (), (A,))
-    index.remove("stranger", (), (A,), True)
-    assert list(index.conflicts((A,), ())) == ["w"]
-    index.add("r", (A,), ())
-    index.remove("stranger", (A,), (A,), False)
-    assert list(index.conflicts((), (A,))) == ["w", "r"]
-    index.remove("w", (), (A,), True)
-    index.remove("r", (A,), (), True)
-    assert not index.conflicts((A,), (A,)) and not index._regions
+    w, r = Op("w", (), (A,)), Op("r", (A,), ())
+    index.add(w)
+    index.remove(Op("stranger", (), (A,)), True)
+    assert conflicts(index, (A,), ()) == ["w"]
+    index.add(r)
+    index.remove(Op("stranger", (A,), (A,)), False)
+    assert conflicts(index, (), (A,)) == ["w", "r"]
+    index.remove(w, True)
+    index.remove(r, True)
+    assert not conflicts(index, (A,), (A,)) and not index._regions
 
 def test_hazard_index_keeps_a_lone_access_without_a_region():
     """Most ranges in flight have one access: the index keeps that access itself, with no
@@ -29,23 +72,24 @@ def test_hazard_index_keeps_a_lone_access_without_a_region():
     from mcrdl.engine._hazards import HazardIndex, _Region
 
     index = HazardIndex()
-    index.add("w", (), (A,))
-    index.add("r", (B,), ())
-    assert index._regions == {A[0]: "w", B[0]: "r"}
-    assert list(index.conflicts((A_HALF,), ())) == ["w"]  # read after write
-    assert list(index.conflicts((B,), ())) == []  # reads never order reads
-    assert list(index.conflicts((), (B,))) == ["r"]  # write after read
-    index.add("w2", (), (A,))  # a second access to A
-    assert isinstance(index._regions[A[0]], _Region) and index._regions[B[0]] == "r"
-    assert list(index.conflicts((A,), ())) == ["w2"]  # w2 follows w
+    w, r, w2 = Op("w", (), (A,)), Op("r", (B,), ()), Op("w2", (), (A,))
+    index.add(w)
+    index.add(r)
+    assert index._regions == {A[0]: w, B[0]: r}
+    assert conflicts(index, (A_HALF,), ()) == ["w"]  # read after write
+    assert conflicts(index, (B,), ()) == []  # reads never order reads
+    assert conflicts(index, (), (B,)) == ["r"]  # write after read
+    index.add(w2)  # a second access to A
+    assert isinstance(index._regions[A[0]], _Region) and index._regions[B[0]] is r
+    assert conflicts(index, (A,), ()) == ["w2"]  # w2 follows w
     view = (B[0], B[0] + 8)
-    index.add("v", (), (view,))  # a second range at B's start
+    v = Op("v", (), (view,))
+    index.add(v)  # a second range at B's start
     assert isinstance(index._regions[B[0]], _Region)
-    assert list(index.conflicts((), (B,))) == ["r", "v"]
-    assert list(index.conflicts((view,), ())) == ["v"]
-    for op, reads, writes in (("w", (), (A,)), ("r", (B,), ()), ("w2", (), (A,)),
-                              ("v", (), (view,))):
-        index.remove(op, reads, writes, True)
+    assert conflicts(index, (), (B,)) == ["r", "v"]
+    assert conflicts(index, (view,), ()) == ["v"]
+    for op in (w, r, w2, v):
+        index.remove(op, True)
     assert not index._regions and not index._lone
 
 def test_an_operation_that_reads_and_writes_a_range_counts_as_writing_it():
@@ -54,12 +98,13 @@ def test_an_operation_that_reads_and_writes_a_range_counts_as_writing_it():
     from mcrdl.engine._hazards import HazardIndex
 
     index = HazardIndex()
-    index.add("rw", (B,), (B,))  # alone on B
-    assert list(index.conflicts((B,), ())) == ["rw"]
-    index.add("w", (), (A,))
-    index.add("rw2", (A,), (A,))  # A's second access
-    index.remove("w", (), (A,), False)  # ended abnormally: A is broken
-    assert list(index.conflicts((A,), ())) == ["rw2"]
+    index.add(Op("rw", (B,), (B,)))  # alone on B
+    assert conflicts(index, (B,), ()) == ["rw"]
+    w = Op("w", (), (A,))
+    index.add(w)
+    index.add(Op("rw2", (A,), (A,)))  # A's second access
+    index.remove(w, False)  # ended abnormally: A is broken
+    assert conflicts(index, (A,), ()) == ["rw2"]
 
 def test_hazard_index_orders_every_overlap_through_churn():
     """Random adds and in-order-of-readiness removals over a small address pool, long enough
@@ -73,7 +118,7 @@ def test_hazard_index_orders_every_overlap_through_churn():
 
     rng = random.Random(7)
     index = HazardIndex()
-    live: dict[int, tuple[tuple, tuple, set[int]]] = {}  # op -> (reads, writes, deps)
+    live: dict[Op, tuple[tuple, tuple, set[Op]]] = {}  # op -> (reads, writes, deps)
 
     def ranges() -> tuple[tuple[int, int], ...]:
         out = []
@@ -94,8 +139,8 @@ def test_hazard_index_orders_every_overlap_through_churn():
                     doomed.append(o)
                     todo.append(o)
         for o in doomed:
-            reads, writes, _ = live.pop(o)
-            index.remove(o, reads, writes, False)
+            live.pop(o)
+            index.remove(o, False)
 
     for op in range(6000):
         if live and rng.random() < 0.03:
@@ -104,11 +149,12 @@ def test_hazard_index_orders_every_overlap_through_churn():
         if live and (len(live) > 300 or rng.random() < 0.45):
             ready = [o for o, (_, _, deps) in live.items() if not deps & live.keys()]
             done = rng.choice(ready)
-            reads, writes, _ = live.pop(done)
-            index.remove(done, reads, writes, True)
+            live.pop(done)
+            index.remove(done, True)
             continue
         reads, writes = ranges(), ranges()
-        found = set(index.conflicts(reads, writes))
+        new = Op(str(op), reads, writes)
+        found = set(index.conflicts(new) or ())
         must = {o for o, (r, w, _) in live.items()
                 if overlap(writes, r) or overlap(writes, w) or overlap(reads, w)}
         assert found <= must
@@ -119,6 +165,6 @@ def test_hazard_index_orders_every_overlap_through_churn():
                     reach.add(dep)
                     todo.append(dep)
         assert must <= reach, (op, must - reach)
-        live[op] = (reads, writes, found)
-        index.add(op, reads, writes)
+        live[new] = (reads, writes, found)
+        index.add(new)
     assert len(index._starts) >= len(index._regions)

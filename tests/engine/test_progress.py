@@ -1,4 +1,4 @@
-"""The progress engine (``engine._progress``): issue order, hazards and ``after=`` edges across
+"""The progress engine (``engine._core``): issue order, hazards and ``after=`` edges across
 backends, failures and cancellation, timeouts, what stays alive; driven by hand against a
 manual backend, without threads or sleeps."""
 
@@ -20,7 +20,7 @@ from mcrdl import (
     RuntimeFinalizedError,
 )
 from mcrdl.engine import CommFuture, Engine
-from mcrdl.engine import _progress as progress
+from mcrdl.engine import _breaks as progress
 from mcrdl.observe._flight import flight_record
 from tests.engine.support import A_HALF, A, B, Counting, Holds, Uncancellable, finish, submit
 from tests.manual_backend import ManualBackend

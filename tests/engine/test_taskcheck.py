@@ -131,6 +131,6 @@ def test_a_warning_made_an_error_has_recorded_the_operation_first(engine, mpi, c
     assert list(check._pending[("world", "mpi")]) == futs
     for i in range(2):
         finish(engine, mpi, i)
-        engine.poll_once()
+        engine.poll()
     assert [f.state for f in futs] == ["DONE", "DONE"]
     assert not check._pending[("world", "mpi")]

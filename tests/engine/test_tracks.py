@@ -20,13 +20,13 @@ def test_many_in_flight_finishing_out_of_order_are_all_found(engine, mpi):
             mpi.finish(mpi.started[i])
     polls = 0
     while sum(f.done() for f in futs) < sum(1 for i in order[:150] if i >= 64):
-        engine.poll_once()
+        engine.poll()
         polls += 1
         assert polls < 50, "finished requests beyond the first window were never found"
     for req in mpi.started:
         req.done = True
     while not all(f.done() for f in futs):
-        engine.poll_once()
+        engine.poll()
         polls += 1
         assert polls < 100
     assert engine.stats().in_flight == 0
@@ -47,7 +47,7 @@ def test_a_long_lived_request_leaves_no_trail_of_holes(engine, mpi):
     for i in range(1, 2001):
         fut = submit(engine, mpi, "allreduce")
         mpi.finish(mpi.started[i])
-        engine.poll_once()
+        engine.poll()
         assert fut.done(), f"operation {i} was not tested by the first poll after it finished"
         longest = max(longest, len(track.futs))
     assert longest <= 2 * WINDOW + 2, longest

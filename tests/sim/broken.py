@@ -85,7 +85,7 @@ class HostOnEnqueueEngine(Engine):
 
     def _enqueued(self, fut):  # type: ignore[no-untyped-def]
         for dep in fut._dependants:
-            if dep._state == PENDING and dep._route is None:
+            if dep._state == PENDING and dep._placement is None:
                 if dep.lane.stream is not None:
                     self._edge_event(dep, fut)
                 self._dep_done(dep)
