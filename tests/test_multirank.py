@@ -169,10 +169,23 @@ def test_torch_distributed_backend_from_a_file_store(tmp_path):
 
 def test_torch_distributed_backend_started_by_torch_under_torchrun():
     """dist.init_process_group("mcrdl") first, from torchrun's env:// store: mcrdl comes up
-    from it (gloo only), and the suite runs again (what needs MPI skips)."""
-    out = run_suite(2, "tests/multirank/test_torch_backend.py", launcher="torchrun",
-                    env={"MCRDL_TORCH_FIRST": "1"})
-    assert "passed" in out
+    from it (gloo only), and the suite runs again (what needs MPI skips). On every rank,
+    every test the suite holds either passed or skipped because MPI is not up: none failed,
+    errored or went missing."""
+    suite = "tests/multirank/test_torch_backend.py"
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                                "-p", "no:cacheprovider", suite],
+                               cwd=ROOT, capture_output=True, text=True, timeout=120)
+    total = int(re.search(r"^(\d+) tests collected", collected.stdout, re.M)[1])
+    out = run_suite(2, suite, launcher="torchrun", env={"MCRDL_TORCH_FIRST": "1"},
+                    extra=["-rs"])
+    for rank in range(2):
+        [(passed, skipped)] = re.findall(
+            rf"^\[default{rank}\]:(\d+) passed(?:, (\d+) skipped)? in ", out, re.M) or [(0, 0)]
+        skips = re.findall(rf"^\[default{rank}\]:SKIPPED \[(\d+)\] \S+: (.*)$", out, re.M)
+        assert int(passed) + int(skipped or 0) == total and int(passed) > 0, out[-4000:]
+        assert sum(int(k) for k, _ in skips) == int(skipped or 0), out[-4000:]
+        assert {why for _, why in skips} <= {"['mpi'] not up under this launcher"}, out[-4000:]
 
 
 @pytest.mark.parametrize("n", [2, 4])
