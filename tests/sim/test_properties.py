@@ -12,11 +12,12 @@ bytes, then one writing over them), a directed property draws exactly that.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mcrdl import ReduceOp
-from mcrdl.testing import Program, Region, Step, check_program, programs
+from mcrdl.testing import Program, Region, Step, check_program, check_slots, programs, reference
 
 from . import examples
 
@@ -74,3 +75,19 @@ def reads_then_a_write(draw):
 @given(reads_then_a_write(), st.integers(0, 2**16))
 def test_a_write_waits_for_every_unfinished_read_of_its_bytes(program, seed):
     check_program(program, seed=seed, backends={"mpi": "windowed", "gloo": "mpi"})
+
+
+def test_the_judge_refuses_slots_it_cannot_compare_one_to_one():
+    """``check_slots`` compares every slot: a result with a slot fewer or more is refused,
+    not judged on the slots both have."""
+    program = Program(2, (), (("int32", 4), ("int32", 4)),
+                      (Step("allreduce", (0, 0), "mpi", Region(0, 0, 4), op=ReduceOp.SUM),))
+    want = reference(program)[1]
+    check_slots(program, 1, want)
+    with pytest.raises(ValueError, match=r"^zip\(\) argument 2 is longer than argument 1$"):
+        check_slots(program, 1, want[:1])
+    with pytest.raises(ValueError, match=r"^zip\(\) argument 2 is shorter than argument 1$"):
+        check_slots(program, 1, [*want, want[0]])
+    wrong = [want[0], want[1] + 1]
+    with pytest.raises(AssertionError, match=r"^rank 1 slot 1: element 0 is "):
+        check_slots(program, 1, wrong)
