@@ -169,10 +169,23 @@ def test_torch_distributed_backend_from_a_file_store(tmp_path):
 
 def test_torch_distributed_backend_started_by_torch_under_torchrun():
     """dist.init_process_group("mcrdl") first, from torchrun's env:// store: mcrdl comes up
-    from it (gloo only), and the suite runs again (what needs MPI skips)."""
-    out = run_suite(2, "tests/multirank/test_torch_backend.py", launcher="torchrun",
-                    env={"MCRDL_TORCH_FIRST": "1"})
-    assert "passed" in out
+    from it (gloo only), and the suite runs again (what needs MPI skips). On every rank,
+    every test the suite holds either passed or skipped because MPI is not up: none failed,
+    errored or went missing."""
+    suite = "tests/multirank/test_torch_backend.py"
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                                "-p", "no:cacheprovider", suite],
+                               cwd=ROOT, capture_output=True, text=True, timeout=120)
+    total = int(re.search(r"^(\d+) tests collected", collected.stdout, re.M)[1])
+    out = run_suite(2, suite, launcher="torchrun", env={"MCRDL_TORCH_FIRST": "1"},
+                    extra=["-rs"])
+    for rank in range(2):
+        [(passed, skipped)] = re.findall(
+            rf"^\[default{rank}\]:(\d+) passed(?:, (\d+) skipped)? in ", out, re.M) or [(0, 0)]
+        skips = re.findall(rf"^\[default{rank}\]:SKIPPED \[(\d+)\] \S+: (.*)$", out, re.M)
+        assert int(passed) + int(skipped or 0) == total and int(passed) > 0, out[-4000:]
+        assert sum(int(k) for k, _ in skips) == int(skipped or 0), out[-4000:]
+        assert {why for _, why in skips} <= {"['mpi'] not up under this launcher"}, out[-4000:]
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -287,11 +300,13 @@ def test_logging_leaves_the_overlap_unchanged():
     assert len(lines) == 2 and all("mpi_done=True gloo_done=True" in line for line in lines), lines
 
 
-def _stuck(tmp_path, mode: str, n: int) -> str:
+def _stuck(tmp_path, mode: str, n: int) -> tuple[str, dict]:
     """Run tests/multirank/stuck.py ``mode`` on ``n`` ranks, dump every rank's flight
-    recorder by SIGUSR2 while they are stuck, and return ``trace explain``'s report."""
+    recorder by SIGUSR2 while they are stuck, and return ``trace explain``'s report (with
+    the ages of operations, which vary, written ``…``) and the dumps it read."""
     import time
 
+    from mcrdl._explain import load_dumps
     from tests.launch import mpiexec
 
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MCRDL_TIMEOUT="8",
@@ -315,18 +330,82 @@ def _stuck(tmp_path, mode: str, n: int) -> str:
     report = subprocess.run([sys.executable, "-m", "mcrdl", "trace", "explain", *dumps],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert report.returncode == 0, report.stderr
-    return report.stdout
+    return re.sub(r"\(issued, \d+\.\d s\)", "(issued, … s)", report.stdout), load_dumps(dumps)
+
+
+def _positions(dumps: dict) -> dict:
+    """Per rank: its lanes that it submitted to, as (submitted, [(op, seq, index) of each
+    unfinished operation]), and the operations it is blocked on, as (lane, op, seq, index)."""
+    return {rank: ({lane["lane"]: (lane["submitted"],
+                                   [(o["op"], o["seq"], o["index"]) for o in lane["unfinished"]])
+                    for lane in doc["lanes"] if lane["submitted"]},
+                   [(o["lane"], o["op"], o["seq"], o["index"]) for o in doc["waiting_on"]])
+            for rank, doc in dumps.items()}
+
+
+_CYCLE = ("a cycle: rank 0 -> rank 1 -> rank 0: each waits for an operation the next has not"
+          " issued (blocking waits on communicators used in different orders)")
 
 
 def test_explain_names_the_collective_a_rank_skipped_and_what_it_waits_on(tmp_path):
-    report = _stuck(tmp_path, "skip", 3)
-    assert re.search(r"stuck: allreduce#\d+ at position \d+ of lane mpi:world\b", report), report
-    assert "issued by ranks [0, 2]" in report, report
-    assert re.search(r"not arrived: rank 1 \(.*\); it is blocked waiting for allreduce#\d+ on"
-                     r" mpi:world\.\w+", report), report
+    # On each communicator: its split's allgathers (mpi), a gloo allreduce, an mpi allreduce,
+    # then the stuck one: its number there (#5) is not its position on the mpi lane (4).
+    report, dumps = _stuck(tmp_path, "skip", 3)
+    assert _positions(dumps) == {
+        0: ({"mpi:world": (4, [("allreduce", 5, 4)]), "gloo:world": (1, []),
+             "gloo:world.1c0": (1, [])},
+            [("mpi:world", "allreduce", 5, 4)]),
+        1: ({"mpi:world": (3, []), "gloo:world": (1, []), "gloo:world.1c0": (1, []),
+             "mpi:world.1c0": (1, [("allreduce", 2, 1)])},
+            [("mpi:world.1c0", "allreduce", 2, 1)]),
+        2: ({"mpi:world": (4, [("allreduce", 5, 4)]), "gloo:world": (1, [])},
+            [("mpi:world", "allreduce", 5, 4)]),
+    }, dumps
+    assert report == "\n".join([
+        "dumps of ranks [0, 1, 2] (world of 3)",
+        "",
+        "stuck: allreduce#5 at position 4 of lane mpi:world (communicator world, members"
+        " [0, 1, 2])",
+        "  issued by ranks [0, 2]",
+        "  not arrived: rank 1 (it submitted 3 operation(s) on this lane); it is blocked"
+        " waiting for allreduce#2 on mpi:world.1c0 (issued, … s)",
+        "",
+        "stuck: allreduce#2 at position 1 of lane mpi:world.1c0 (communicator world.1c0,"
+        " members [0, 1])",
+        "  issued by ranks [1]",
+        "  not arrived: rank 0 (it submitted 0 operation(s) on this lane); it is blocked"
+        " waiting for allreduce#5 on mpi:world (issued, … s)",
+        "",
+        _CYCLE,
+        "",
+    ]), report
 
 
 def test_explain_finds_a_cycle_of_blocking_waits_across_communicators(tmp_path):
-    report = _stuck(tmp_path, "cycle", 2)
-    assert report.count("stuck: allreduce") == 2, report
-    assert "a cycle: rank 0 -> rank 1 -> rank 0" in report, report
+    report, dumps = _stuck(tmp_path, "cycle", 2)
+    lanes = {"mpi:world": (4, []), "gloo:world": (1, []), "gloo:world.1c0": (1, []),
+             "gloo:world.2c0": (1, [])}
+    assert _positions(dumps) == {
+        0: ({**lanes, "mpi:world.1c0": (1, [("allreduce", 2, 1)])},
+            [("mpi:world.1c0", "allreduce", 2, 1)]),
+        1: ({**lanes, "mpi:world.2c0": (1, [("allreduce", 2, 1)])},
+            [("mpi:world.2c0", "allreduce", 2, 1)]),
+    }, dumps
+    assert report == "\n".join([
+        "dumps of ranks [0, 1] (world of 2)",
+        "",
+        "stuck: allreduce#2 at position 1 of lane mpi:world.1c0 (communicator world.1c0,"
+        " members [0, 1])",
+        "  issued by ranks [0]",
+        "  not arrived: rank 1 (it submitted 0 operation(s) on this lane); it is blocked"
+        " waiting for allreduce#2 on mpi:world.2c0 (issued, … s)",
+        "",
+        "stuck: allreduce#2 at position 1 of lane mpi:world.2c0 (communicator world.2c0,"
+        " members [0, 1])",
+        "  issued by ranks [1]",
+        "  not arrived: rank 0 (it submitted 0 operation(s) on this lane); it is blocked"
+        " waiting for allreduce#2 on mpi:world.1c0 (issued, … s)",
+        "",
+        _CYCLE,
+        "",
+    ]), report

@@ -58,6 +58,7 @@ def check_slots(program: Program, rank: int, got: list[Any],
 
     Raises:
         AssertionError: a wrong element (naming rank, slot and index).
+        ValueError: ``got`` has more or fewer slots than the program.
     """
     import numpy as np
 
@@ -66,7 +67,7 @@ def check_slots(program: Program, rank: int, got: list[Any],
     else:
         states, masks = reference_with_faults(program, outcomes)
         want, defined = states[rank], masks[rank]
-    for slot, (a, b) in enumerate(zip(got, want)):
+    for slot, (a, b) in enumerate(zip(got, want, strict=True)):
         mask = np.ones(len(b), dtype=bool) if defined is None else defined[slot]
         wrong = np.flatnonzero(mask & (a != b))
         if wrong.size:

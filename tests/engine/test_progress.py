@@ -197,6 +197,35 @@ def test_timeout_fails_old_ops_and_dumps_flight_record(clock, mpi):
     assert f"barrier#{done.seq}" in record and "DONE" in record
     assert f"allreduce#{young.seq}" in record and "ISSUED" in record
 
+@pytest.mark.parametrize("behind", ["hazard", "after"])
+def test_timeout_counts_from_issue_not_from_submission(clock, mpi, gloo, behind):
+    """An operation that waited 4 s behind another (its buffer's writer, or an ``after=``
+    dependency) has the whole timeout once it is issued: 5 s from its issue, not 1 s."""
+    engine = Engine(background=False, clock=clock, timeout=5.0)
+    t0 = clock.now
+    first = submit(engine, gloo, "allreduce", writes=[A])
+    if behind == "hazard":
+        queued = submit(engine, mpi, "allreduce", writes=[A])
+    else:
+        queued = submit(engine, mpi, "allreduce", writes=[B], after=[first])
+    assert queued.state == "PENDING"
+    clock.now = t0 + 4.0
+    engine.check_deadlines(clock.now)
+    assert first.state == "ISSUED" and queued.state == "PENDING"
+    finish(engine, gloo, 0)
+    assert first.state == "DONE" and queued.state == "ISSUED" and queued.t_issue == t0 + 4.0
+    for at in (6.0, 8.0, 8.9):  # 2, 4 and 4.9 s after its issue (6 to 8.9 after submission)
+        clock.now = t0 + at
+        engine.check_deadlines(clock.now)
+        assert queued.state == "ISSUED", f"timed out {at - 4.0:g} s after its issue"
+    clock.now = t0 + 9.2  # 5.2 s after its issue (and past the next check, 0.25 s after 8.9)
+    engine.check_deadlines(clock.now)
+    assert queued.state == "FAILED"
+    with pytest.raises(CommTimeoutError, match=(
+            rf"^allreduce#{queued.seq} on lane mpi:world \(rank 0 of 1\) did not finish within "
+            r"5 s of being issued; the peers it needs have not all arrived$")):
+        queued.result()
+
 def test_fail_all_and_close(engine, mpi):
     f = submit(engine, mpi, "barrier")
     g = submit(engine, mpi, "barrier", after=[f])

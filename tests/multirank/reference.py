@@ -74,12 +74,23 @@ def reduce(stack: np.ndarray, op: ReduceOp, dtype: str) -> np.ndarray:
 
 
 def alltoallv_counts(size: int, rows: int) -> list[list[int]]:
-    """send_counts[i][j]: rows rank i sends to rank j (zeros included); each row sums to rows."""
+    """send_counts[i][j]: rows rank i sends to rank j (zeros included); each row sums to rows.
+
+    No two ranks send each other the same number of rows (where ``rows >= size``), at any
+    size, 2 included: of each pair, one sends ``rows // size`` and the other nothing (a
+    round-robin tournament: rank i wins against the ranks 1 to ``(size - 1) // 2`` after it,
+    and at an even size the lower of two ranks ``size / 2`` apart wins); the rest stays with
+    the sender. So no rank receives the counts it sends, and an alltoallv that took its send
+    counts for its receive counts gets a wrong result.
+    """
+    share = rows // size
     table = []
     for i in range(size):
-        weights = [(i + 2 * j) % 3 for j in range(size)]
-        total = sum(weights) or 1
-        counts = [rows * w // total for w in weights]
-        counts[-1] += rows - sum(counts)
+        counts = [0] * size
+        for j in range(size):
+            ahead = (j - i) % size
+            if 0 < ahead <= (size - 1) // 2 or (2 * ahead == size and i < j):
+                counts[j] = share
+        counts[i] = rows - sum(counts)
         table.append(counts)
     return table
