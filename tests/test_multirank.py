@@ -306,7 +306,7 @@ def _stuck(tmp_path, mode: str, n: int) -> tuple[str, dict]:
     the ages of operations, which vary, written ``…``) and the dumps it read."""
     import time
 
-    from mcrdl._explain import load_dumps
+    from mcrdl.observe import load_dumps
     from tests.launch import mpiexec
 
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MCRDL_TIMEOUT="8",
