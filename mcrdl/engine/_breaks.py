@@ -28,18 +28,20 @@ from ..core._errors import (
     CommTimeoutError,
     DesyncError,
     FutureCancelledError,
+    InvalidStateError,
     RuntimeFinalizedError,
     StartError,
 )
 from ..core._forever import forever
-from ._states import AGREEMENT_KIND, ISSUED, PENDING
+from ._states import AGREEMENT_KIND, DONE, ISSUED, PENDING
+from ._tracks import with_carried
 
 if TYPE_CHECKING:
     import threading
 
     from ._future import CommFuture
     from ._hazards import HazardIndex
-    from ._lanes import CommState, Stops
+    from ._lanes import CommState, Lane, Stops
     from ._tracks import Track
 
 __all__ = ["Breaks", "linger", "waited_by"]
@@ -145,6 +147,7 @@ class Breaks:
         __slots__ = ()
 
     _comms: dict[str, CommState]
+    _lanes: dict[tuple[str, str], Lane]
     _told: deque[tuple[str, str, int, Stops]]
     _told_early: dict[str, list[tuple[str, int, Stops]]]
     _to_tell: list[tuple[CommState, str, Stops]]
@@ -312,6 +315,50 @@ class Breaks:
             fut.hold = fut._request = None
         return done
 
+    # -- operations ended from outside ----------------------------------------------------
+
+    def cancel(self, fut: CommFuture) -> bool:
+        """See `CommFuture.cancel`."""
+        with self._lock:
+            state = fut._state
+            if state >= DONE:
+                return False
+            if state == ISSUED:
+                backend = fut.lane.backend
+                if fut.carrier is not None:
+                    raise InvalidStateError(
+                        f"cannot cancel {fut!r}: it was issued already, fused into "
+                        f"{fut.carrier.kind}#{fut.carrier.seq}")
+                if not backend.capabilities.cancel or not backend.cancel(fut._request):
+                    raise InvalidStateError(
+                        f"cannot cancel {fut!r}: it was issued already and "
+                        f"{backend.name} cannot cancel issued operations"
+                    )
+                fut.lane.track.remove(fut)
+            self._work.append((fut, FutureCancelledError(
+                f"{fut.kind}#{fut.seq} on lane {fut.lane.backend_name}:{fut.lane.comm_name} "
+                f"was cancelled")))
+            self._run_work()
+        self._after_lock()
+        return True
+
+    def fail_all(self, make_error: Callable[[CommFuture], BaseException]) -> int:
+        """Fail every unfinished future with ``make_error(fut)``; returns how many."""
+        with self._lock:
+            issued = [f for track in self._track_list for f, _ in track.items()]
+            failing = with_carried(issued)  # (what they carry fails with them)
+            for fut in issued:
+                self._give_up(fut, make_error(fut))
+            pending: dict[CommFuture, None] = {}
+            for lane in self._lanes.values():
+                pending.update((f, None) for f in lane.pending if f._state == PENDING)
+            pending.update(self._held())
+            for fut in pending:
+                self._work.append((fut, make_error(fut)))
+            self._run_work()
+        self._after_lock()
+        return len(failing) + len(pending)
+
     def _abandon(self) -> None:
         """The engine closes: its zombies keep their requests and memory for the rest of the
         process (`linger`), and the peers that wait for this rank are noted."""
@@ -361,6 +408,7 @@ class Breaks:
             self._after_lock()
 
     if TYPE_CHECKING:  # the engine's other parts
+        def _held(self) -> dict[CommFuture, None]: ...
         def _release(self, fut: CommFuture, error: BaseException | None) -> None: ...
         def _fail_on_stream(self, fut: CommFuture, error: BaseException) -> None: ...
         def _run_work(self) -> None: ...

@@ -22,7 +22,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..core._errors import (
@@ -31,7 +30,6 @@ from ..core._errors import (
     DependencyFailedError,
     DesyncError,
     FutureCancelledError,
-    InvalidStateError,
     MCRDLError,
     RuntimeFinalizedError,
     StartError,
@@ -42,42 +40,18 @@ from ._future import CommFuture, Placement, report_callback_error
 from ._hazards import HazardIndex
 from ._idle import BURST, Idling, PollPolicy
 from ._lanes import CommState, Lane, Stops
+from ._places import EngineStats, Places, Route
 from ._states import CANCELLED, CHECK_KIND, DONE, FAILED, ISSUED, PENDING, STATE_NAMES
-from ._tracks import Track, with_carried
+from ._tracks import Track
 
 if TYPE_CHECKING:
     from ..backends import Backend
     from ._drivers import ProgressThread
     from ._names import Names
 
-__all__ = ["Engine", "EngineStats", "Route"]
+__all__ = ["Engine", "EngineStats"]
 
 Observer = Callable[[CommFuture, tuple[CommFuture, ...]], None]
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Counters of one engine since it started.
-
-    Attributes:
-        submitted, issued, completed, failed, cancelled: operations by what happened to them.
-        pending: submitted, not yet issued (waiting for dependencies or their lane).
-        in_flight: issued, not yet finished.
-        polls: calls of ``poll`` that ran (took the lock).
-        lanes: lanes created.
-        zombies: failed operations whose backend may still use their memory.
-    """
-
-    submitted: int
-    issued: int
-    completed: int
-    failed: int
-    cancelled: int
-    pending: int
-    in_flight: int
-    polls: int
-    lanes: int
-    zombies: int = 0
 
 
 def _profile(profiler: Any, fut: CommFuture) -> None:
@@ -95,40 +69,7 @@ def _profile(profiler: Any, fut: CommFuture) -> None:
     fut.add_done_callback(lambda _: done.set_result(None))
 
 
-class Route:
-    """The placement of an operation whose lane is chosen once its dependencies have
-    finished (an alltoallv routed by the total its exchange agrees on, `mcrdl.front`).
-
-    Meanwhile it holds a position, and the head of the queue, in every candidate lane (all of
-    one communicator), so that whichever it goes to, every member issues it at the same
-    position there (rule 2), and nothing submitted after it on any of them overtakes it.
-    """
-
-    gathers = False
-    __slots__ = ("engine", "lanes", "choose", "reserved")
-
-    def __init__(self, engine: Engine, fut: CommFuture, lanes: tuple[Lane, ...],
-                 choose: Callable[[CommFuture], None]) -> None:
-        self.engine = engine
-        self.lanes = lanes
-        #: Sets ``fut.lane``, ``fut.start`` and ``fut.args`` (``fut.lane`` is a placeholder
-        #: among the candidates until then).
-        self.choose = choose
-        self.reserved = {lane: lane.take(None) for lane in lanes}
-        for lane in lanes:
-            lane.pending.append(fut)
-
-    def ready(self, fut: CommFuture) -> None:
-        self.engine._routed(fut, self)
-
-    def drop(self, fut: CommFuture) -> None:
-        self.engine._unroute(fut, self.lanes)
-
-    def position(self, fut: CommFuture, lane: Lane) -> int | None:
-        return self.reserved.get(lane)
-
-
-class Engine(Breaks, Events, Idling):
+class Engine(Places, Breaks, Events, Idling):
     """Issues operations in lane order as their dependencies finish, and resolves their futures.
 
     Invariants:
@@ -248,61 +189,6 @@ class Engine(Breaks, Events, Idling):
         """The engine's clock (seconds): the one its futures' times are read on."""
         return self._clock()
 
-    # -- communicators and lanes ---------------------------------------------------------
-
-    def comm(self, name: str, rank: int, size: int, members: Iterable[int] = ()) -> CommState:
-        """The communicator ``name`` (made on first use): ``rank`` of ``size``, ``members``
-        its world ranks in its rank order."""
-        state = self._comms.get(name)
-        if state is None:
-            with self._lock:
-                state = self._comms.get(name)
-                if state is None:
-                    state = self._comms[name] = CommState(name, rank, size, tuple(members))
-                    for cause, peer, stops in self._told_early.pop(name, ()):
-                        self._heard(state, cause, peer, stops)  # it broke before it was made
-        return state
-
-    def lane(self, backend: Backend, group: Any, comm: CommState, suffix: str = "",
-             named: bool = False) -> Lane:
-        """The lane of ``backend`` on ``comm`` (made on first use); ``suffix`` names a second
-        lane of the same backend there (the debug lane, the named lane); ``named``: it runs
-        named operations, in the order the members agree on (`Lane.named`)."""
-        name = comm.name + suffix
-        key = (backend.name, name)
-        lane = self._lanes.get(key)
-        if lane is None:
-            with self._lock:
-                lane = self._lanes.get(key)
-                if lane is None:
-                    track = self._tracks.get(backend)
-                    if track is None:
-                        track = self._tracks[backend] = Track(backend)
-                        self._track_list.append(track)
-                    lane = self._lanes[key] = Lane(backend, group, comm, name, track, named)
-                    comm.lanes.append(lane)
-        return lane
-
-    def lanes(self) -> list[Lane]:
-        """Every lane, in creation order."""
-        return list(self._lanes.values())
-
-    def agreements(self) -> list[Names]:
-        """The named-operation agreements of the communicators that have them."""
-        return [comm.names for comm in self._comms.values() if comm.names is not None]
-
-    def forget(self, comm: CommState) -> None:
-        """Drop the closed communicator ``comm`` and its lanes (its operations have been
-        waited for; a zombie keeps its own lane alive, for as long as it lives). A
-        communicator made later under the same name starts afresh."""
-        with self._lock:
-            if self._comms.get(comm.name) is comm:
-                del self._comms[comm.name]
-            for lane in comm.lanes:
-                key = (lane.backend_name, lane.comm_name)
-                if self._lanes.get(key) is lane:
-                    del self._lanes[key]
-
     def observe(self, fn: Observer) -> Callable[[], None]:
         """Call ``fn(fut, after)`` for every operation submitted from now on, before it is
         issued (its descriptor complete); returns a function that stops the calls.
@@ -400,6 +286,15 @@ class Engine(Breaks, Events, Idling):
             thread.wake()
         return fut
 
+    def add_own(self, fut: CommFuture) -> None:
+        """Submit ``fut``, an operation the engine makes itself (a `Names` agreement round):
+        placed at the end of its lane at once (it has no ranges and no dependencies); lock
+        held."""
+        fut._engine = self
+        fut.t_submit = self._clock()
+        self._unfinished += 1
+        self.place([fut])
+
     def _may_issue(self, fut: CommFuture) -> bool:
         """Whether ``fut`` may be issued now, the one test of it: its dependencies have
         finished, it has its place, nothing submitted before it on its lane waits to be
@@ -463,63 +358,6 @@ class Engine(Breaks, Events, Idling):
                 dep._dependants = [fut]
             else:
                 dependants.append(fut)
-
-    # -- placement (lock held) -----------------------------------------------------------
-
-    def _routed(self, fut: CommFuture, route: Route) -> None:
-        """``fut``'s dependencies are met: choose its lane, and let the other candidates go
-        on."""
-        try:
-            route.choose(fut)
-        except Exception as exc:  # noqa: BLE001 - fails the operation, not the engine
-            err = exc if isinstance(exc, MCRDLError) else BackendError(
-                f"{fut.kind}#{fut.seq}: choosing its backend failed: {exc}")
-            if err is not exc:
-                err.__cause__ = exc
-            self._work.append((fut, err))  # (its settle takes it out of the lanes)
-            return
-        fut._placement = None
-        fut.index = route.reserved[fut.lane]
-        self._unroute(fut, [lane for lane in route.lanes if lane is not fut.lane])
-        self._pump(fut.lane)
-
-    def _unroute(self, fut: CommFuture, lanes: Iterable[Lane]) -> None:
-        """Take ``fut`` out of ``lanes``' queues, and issue what it held back there."""
-        for lane in lanes:
-            try:
-                lane.pending.remove(fut)
-            except ValueError:
-                continue
-            self._pump(lane)
-
-    def add_own(self, fut: CommFuture) -> None:
-        """Submit ``fut``, an operation the engine makes itself (a `Names` agreement round):
-        placed at the end of its lane at once (it has no ranges and no dependencies); lock
-        held."""
-        fut._engine = self
-        fut.t_submit = self._clock()
-        self._unfinished += 1
-        self.place([fut])
-
-    def place(self, futs: list[CommFuture]) -> None:
-        """Give the named operations ``futs`` (agreed on, in the agreed order) their places
-        at the end of their lanes, and issue what may be; lock held."""
-        lanes: dict[Lane, None] = {}
-        for fut in futs:
-            fut._placement = None
-            if fut._state != PENDING:
-                continue
-            lane = fut.lane
-            fut.index = lane.take(None)
-            lane.pending.append(fut)
-            lanes[lane] = None
-        for lane in lanes:
-            self._pump(lane)
-
-    def defer(self, names: Names) -> None:
-        """Let ``names`` post its next round at ``names.later`` (checked by every poll);
-        lock held."""
-        self._deferred[names] = None
 
     # -- issuing and settling (lock held) ------------------------------------------------
 
@@ -847,49 +685,7 @@ class Engine(Breaks, Events, Idling):
                 for comm, cause, stops in to_tell:
                     self.on_break(comm, cause, stops)
 
-    # -- cancellation and shutdown -------------------------------------------------------
-
-    def cancel(self, fut: CommFuture) -> bool:
-        """See `CommFuture.cancel`."""
-        with self._lock:
-            state = fut._state
-            if state >= DONE:
-                return False
-            if state == ISSUED:
-                backend = fut.lane.backend
-                if fut.carrier is not None:
-                    raise InvalidStateError(
-                        f"cannot cancel {fut!r}: it was issued already, fused into "
-                        f"{fut.carrier.kind}#{fut.carrier.seq}")
-                if not backend.capabilities.cancel or not backend.cancel(fut._request):
-                    raise InvalidStateError(
-                        f"cannot cancel {fut!r}: it was issued already and "
-                        f"{backend.name} cannot cancel issued operations"
-                    )
-                fut.lane.track.remove(fut)
-            self._work.append((fut, FutureCancelledError(
-                f"{fut.kind}#{fut.seq} on lane {fut.lane.backend_name}:{fut.lane.comm_name} "
-                f"was cancelled")))
-            self._run_work()
-        self._after_lock()
-        return True
-
-    def fail_all(self, make_error: Callable[[CommFuture], BaseException]) -> int:
-        """Fail every unfinished future with ``make_error(fut)``; returns how many."""
-        with self._lock:
-            issued = [f for track in self._track_list for f, _ in track.items()]
-            failing = with_carried(issued)  # (what they carry fails with them)
-            for fut in issued:
-                self._give_up(fut, make_error(fut))
-            pending: dict[CommFuture, None] = {}
-            for lane in self._lanes.values():
-                pending.update((f, None) for f in lane.pending if f._state == PENDING)
-            pending.update(self._held())
-            for fut in pending:
-                self._work.append((fut, make_error(fut)))
-            self._run_work()
-        self._after_lock()
-        return len(failing) + len(pending)
+    # -- shutdown ------------------------------------------------------------------------
 
     def close(self, why: str) -> None:
         """Refuse further submissions and stop the background thread; idempotent.
@@ -909,59 +705,3 @@ class Engine(Breaks, Events, Idling):
     def closed(self) -> bool:
         """True once ``close`` ran."""
         return self._closed
-
-    # -- what others read ----------------------------------------------------------------
-
-    def in_flight(self) -> int:
-        """Operations submitted and not yet finished (issued or not)."""
-        return self._unfinished
-
-    def zombies(self) -> list[CommFuture]:
-        """The failed operations whose backend may still use their memory."""
-        with self._lock:
-            return list(self._zombies)
-
-    def stats(self) -> EngineStats:
-        """A snapshot of the engine's counters."""
-        with self._lock:
-            in_flight = len(self.issued_locked())
-            finished = self._n_completed + self._n_failed + self._n_cancelled
-            submitted = finished + self._unfinished
-            pending = self._unfinished - in_flight
-            return EngineStats(
-                submitted=submitted,
-                issued=submitted - pending - self._n_dropped,
-                completed=self._n_completed,
-                failed=self._n_failed,
-                cancelled=self._n_cancelled,
-                pending=pending,
-                in_flight=in_flight,
-                polls=self._n_polls,
-                lanes=len(self._lanes),
-                zombies=len(self._zombies),
-            )
-
-    def issued_locked(self) -> list[CommFuture]:
-        """The issued, unfinished futures (the caller holds the lock): each track's, and what
-        their carriers carry."""
-        return with_carried([f for t in self._track_list for f, _ in t.items()])
-
-    def unfinished(self) -> list[CommFuture]:
-        """Every unfinished future: issued ones by backend, then pending ones by lane, then
-        named ones not yet agreed on."""
-        with self._lock:
-            return self.unfinished_locked()
-
-    def unfinished_locked(self) -> list[CommFuture]:
-        """``unfinished()`` for a caller that holds the lock."""
-        out = self.issued_locked()
-        seen: dict[CommFuture, None] = {}
-        for lane in self._lanes.values():
-            seen.update((f, None) for f in lane.pending if f._state == PENDING)
-        seen.update(self._held())
-        out.extend(seen)
-        return out
-
-    def _held(self) -> dict[CommFuture, None]:
-        """The named operations waiting for their members' agreement."""
-        return {f: None for names in self.agreements() for f in names.held}

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 from ..core._errors import RuntimeFinalizedError
 from ._idle import (
-    _BLOCK_SLICE,
     AWAIT,
     BLOCK,
     GIVE_WAY,
@@ -275,17 +274,14 @@ class ProgressThread:
             self.wanted = False
             self._parks = 0
         lone = self.lone
-        if lone is not None:  # a wait handed over: block in its backend until it ends
-            self.lone = None
-            while not engine.drivers and lone._state < DONE:
-                target = engine._lone(lone)
-                if target is None or not target.lane.blocking:
-                    break
-                engine.check_deadlines(engine.now())
-                engine.block(lone, _BLOCK_SLICE)
-            return
         action, seconds = engine.idle_background(
-            _clock() - self._idle_since, self._parks, self._polls, False)
+            _clock() - self._idle_since, self._parks, self._polls, False, lone)
+        if lone is not None:  # a wait handed over: block in it while the engine says so
+            if action == BLOCK:
+                engine.block(lone, seconds)
+            else:
+                self.lone = None
+            return
         if action == WAIT_WORK:
             self._park(seconds, for_work=True)
             if seconds < 0:  # (the wake() that ends it marks it wanted)

@@ -227,15 +227,23 @@ class Idling:
             return GIVE_WAY, policy.give_way_seconds
         return GIVE_WAY, 0.0
 
-    def idle_background(self, quiet: float, parks: int, polls: int,
-                        polled: bool) -> tuple[int, float]:
+    def idle_background(self, quiet: float, parks: int, polls: int, polled: bool,
+                        lone: CommFuture | None = None) -> tuple[int, float]:
         """The background thread's next step: ``quiet`` seconds since it last saw work,
         ``parks`` parks in a row for lack of anything to poll (each doubles the next, up to
         ``nap_max``), ``polls`` polls in a row that moved nothing (each doubles the pause
         after the next, up to ``background_max``); ``polled``: it just polled, and asks how
         long to pause (deadlines are checked then: a timeout or an abort surfaces while the
-        caller computes, not only when some thread waits)."""
+        caller computes, not only when some thread waits). ``lone``: a wait an awaiting task
+        handed over, to block in while it is the lone operation of a backend that can block
+        and no waiter drives (BLOCK; anything else: the hand-over is over)."""
         policy = self._policy
+        if lone is not None:
+            target = None if self.drivers or lone._state >= DONE else self._lone(lone)
+            if target is None or not target.lane.blocking:
+                return SPIN, 0.0
+            self.check_deadlines(self._clock())
+            return BLOCK, _BLOCK_SLICE
         if polled:
             self.check_deadlines(self._clock())
             return SLEEP, min(policy.background_min * 2 ** min(polls, 30),

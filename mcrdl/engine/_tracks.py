@@ -59,15 +59,6 @@ class Track:
     def poll(self) -> list[tuple[CommFuture, BaseException | None]]:
         """Test a window of requests; return (and forget) the finished ones."""
         futs = self.futs
-        if len(futs) == 1:  # the common case: one request in flight
-            done = self.backend.test(self.reqs)
-            if not done:
-                return []
-            # empty(), written out: this runs once per operation
-            self.futs = []
-            self.reqs = []
-            self.first = self.live = 0
-            return [(futs[0], done[0][1])]  # type: ignore[list-item]
         first = self.first
         end = len(futs)
         if end - first == self.live and self.live <= WINDOW:
