@@ -33,7 +33,7 @@ def _run(hosts: int, argv: list[str], timeout: float = 240, **kw) -> str:
 
 @pytest.mark.parametrize("hosts", [2, 4])
 def test_each_rank_binds_the_interface_that_reaches_rank_0_and_both_backends_cross_it(hosts):
-    out = _run(hosts, ["tests/multirank/cluster_check.py"])
+    out = _run(hosts, ["tests/ranks/cluster_check.py"])
     found = dict(re.findall(r"host rank=(\d+) address=(\S+)", out))
     assert found == {str(i): f"198.18.0.{10 + i}" for i in range(hosts)}, out[-3000:]
     links = re.findall(r"link rank=(\d+) backend=(\w+) sent=(\d+) payload=(\d+)", out)
@@ -71,7 +71,7 @@ def test_a_cut_link_fails_every_ranks_operations_within_the_timeout_and_no_rank_
     peer may be gone, both sides of the cut hung there for good). Hydra's mpiexec itself
     keeps waiting for the cut-off host's proxy; the test ends it once no rank is left."""
     hosts, timeout = 3, 4
-    ranks = f"^{sys.executable} tests/multirank/cluster_dead.py"
+    ranks = f"^{sys.executable} tests/ranks/cluster_dead.py"
     # Outside the hosts: cut the link once rank 0 says all are up, then count the ranks'
     # processes every 0.2 s and note when none is left (or give up after 60 s).
     during = (f'while [ ! -e "$D/ready" ]; do sleep 0.05; done; ip link set v{hosts - 1} down;'
@@ -80,7 +80,7 @@ def test_a_cut_link_fails_every_ranks_operations_within_the_timeout_and_no_rank_
               f' echo $(( ($(date +%s%N) - s) / 1000000 )) > {tmp_path}/gone_ms; break; fi;'
               f' sleep 0.2; done; pkill -f mpiexec')
     result = Cluster(hosts).run(
-        [sys.executable, "tests/multirank/cluster_dead.py"], timeout=120, cwd=ROOT,
+        [sys.executable, "tests/ranks/cluster_dead.py"], timeout=120, cwd=ROOT,
         env={**ENV, "MCRDL_TIMEOUT": str(timeout), "MCRDL_RESULT_DIR": str(tmp_path)},
         during=during)
     reports = sorted(p.read_text() for p in tmp_path.glob("rank*.txt"))
@@ -123,7 +123,7 @@ def test_a_killed_rank_on_another_host_fails_the_survivors_operations_and_the_jo
         out = tmp_path / f"attempt{attempt}"
         out.mkdir()
         result = Cluster(hosts).run(
-            [sys.executable, "tests/multirank/cluster_dead.py"], timeout=90, cwd=ROOT,
+            [sys.executable, "tests/ranks/cluster_dead.py"], timeout=90, cwd=ROOT,
             env={**ENV, "MCRDL_TIMEOUT": str(timeout), "MCRDL_RESULT_DIR": str(out)},
             during=kill, launcher_args=("-disable-auto-cleanup",))
         # The job ended by itself: mpiexec returns once no rank of it is left.
@@ -156,7 +156,7 @@ def test_torchrun_across_hosts(tmp_path):
     node = tmp_path / "node.sh"
     node.write_text(_TORCHRUN_NODE)
     node.chmod(0o755)
-    result = Cluster(2).run([str(node), "tests/multirank/torchrun_check.py"], timeout=180,
+    result = Cluster(2).run([str(node), "tests/ranks/torchrun_check.py"], timeout=180,
                             cwd=ROOT, env={**ENV, "PY": sys.executable})
     assert result.returncode == 0, result.output[-6000:]
     assert sorted(re.findall(r"torchrun rank=(\d) size=2 ok", result.output)) == ["0", "1"]

@@ -32,7 +32,7 @@ def test_semantics(n):
 
 
 def _overlap(progress_thread: str, env: dict[str, str] | None = None) -> list[str]:
-    proc = run_ranks(2, ["tests/multirank/overlap_check.py"], timeout=120,
+    proc = run_ranks(2, ["tests/ranks/overlap_check.py"], timeout=120,
                      env={"MCRDL_PROGRESS_THREAD": progress_thread, **(env or {})})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return re.findall(r"overlap rank=\d+ mpi_done=\w+ gloo_done=\w+", proc.stdout)
@@ -50,7 +50,7 @@ def test_without_the_progress_thread_nothing_advances_during_compute():
 
 
 def test_under_torchrun_gloo_only():
-    proc = run_ranks(2, ["tests/multirank/torchrun_check.py"], timeout=120, launcher="torchrun")
+    proc = run_ranks(2, ["tests/ranks/torchrun_check.py"], timeout=120, launcher="torchrun")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert out.count("size=2 ok") == 2, out[-6000:]
@@ -70,7 +70,7 @@ def test_a_dead_peer_makes_every_survivor_raise_and_nothing_hangs(tmp_path):
 
     from tests.launch import ROOT, mpiexec
 
-    script = "tests/multirank/dead_peer.py"
+    script = "tests/ranks/dead_peer.py"
     reports: list[str] = []
     for attempt in range(15):  # both survivors lived in 5 launches of 10 here
         out = tmp_path / f"attempt{attempt}"
@@ -158,7 +158,7 @@ def test_torch_distributed_backend_from_a_file_store(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "PMI_RANK", "PMI_SIZE")}
     env.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MCRDL_TIMEOUT": "30"})
-    procs = [subprocess.Popen([sys.executable, "tests/multirank/torch_store_check.py",
+    procs = [subprocess.Popen([sys.executable, "tests/ranks/torch_store_check.py",
                                str(tmp_path / "store"), str(r), "2"], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]
@@ -218,7 +218,7 @@ def test_ranks_with_different_tables_are_refused_everywhere(tmp_path):
     base = tmp_path / "table.json"
     _synthetic_table(base)
     _synthetic_table(str(base) + ".other", other=True)
-    proc = run_ranks(2, ["tests/multirank/tuning_mismatch.py"], timeout=120,
+    proc = run_ranks(2, ["tests/ranks/tuning_mismatch.py"], timeout=120,
                      env={"MCRDL_TUNING_BASE": str(base)})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -232,7 +232,7 @@ def test_a_rank_without_a_table_is_refused_everywhere(tmp_path):
     check would be matched with its first collective), and every rank refuses."""
     base = tmp_path / "table.json"
     _synthetic_table(base)
-    proc = run_ranks(2, ["tests/multirank/tuning_mismatch.py"], timeout=120,
+    proc = run_ranks(2, ["tests/ranks/tuning_mismatch.py"], timeout=120,
                      env={"MCRDL_TUNING_BASE": str(base), "MCRDL_TUNING_RANK1": "none"})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -244,7 +244,7 @@ def test_a_rank_without_a_table_is_refused_everywhere(tmp_path):
 def test_ranks_with_different_fusion_limits_are_refused_everywhere():
     """Members that fuse differently would run different collectives: init() compares
     ``fusion_bytes`` (rank 1 turns fusion off here) and every rank refuses."""
-    proc = run_ranks(2, ["tests/multirank/tuning_mismatch.py"], timeout=120,
+    proc = run_ranks(2, ["tests/ranks/tuning_mismatch.py"], timeout=120,
                      env={"MCRDL_FUSION_RANK1": "0"})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -256,7 +256,7 @@ def test_ranks_with_different_fusion_limits_are_refused_everywhere():
 def test_a_rank_that_cannot_read_its_table_is_refused_everywhere(tmp_path):
     base = tmp_path / "table.json"
     _synthetic_table(base)  # rank 1 looks for table.json.other, which does not exist
-    proc = run_ranks(2, ["tests/multirank/tuning_mismatch.py"], timeout=120,
+    proc = run_ranks(2, ["tests/ranks/tuning_mismatch.py"], timeout=120,
                      env={"MCRDL_TUNING_BASE": str(base)})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -301,7 +301,7 @@ def test_logging_leaves_the_overlap_unchanged():
 
 
 def _stuck(tmp_path, mode: str, n: int) -> tuple[str, dict]:
-    """Run tests/multirank/stuck.py ``mode`` on ``n`` ranks, dump every rank's flight
+    """Run tests/ranks/stuck.py ``mode`` on ``n`` ranks, dump every rank's flight
     recorder by SIGUSR2 while they are stuck, and return ``trace explain``'s report (with
     the ages of operations, which vary, written ``…``) and the dumps it read."""
     import time
@@ -312,7 +312,7 @@ def _stuck(tmp_path, mode: str, n: int) -> tuple[str, dict]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MCRDL_TIMEOUT="8",
                MCRDL_RESULT_DIR=str(tmp_path),
                MCRDL_FLIGHT_RECORDER=str(tmp_path / "fr-{rank}.json"))
-    script = "tests/multirank/stuck.py"
+    script = "tests/ranks/stuck.py"
     proc = subprocess.Popen([mpiexec(), "-n", str(n), sys.executable, script, mode], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)

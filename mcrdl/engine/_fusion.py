@@ -14,8 +14,8 @@ hazards and its own finishing step (an emulated AVG's division).
 
 Why: a step of 64 allreduces of 4 B costs 64 times the per-operation price of the engine
 and the backend, and the fused one costs that price once plus the copies; from 64 KiB a
-member on, the copies cost as much as the operations they save (docs/performance.md,
-"Fusion of small named allreduces").
+member on, the copies cost as much as the operations they save (docs/performance-log.md,
+"Fusion of small named allreduces; awaiting tasks that finished meanwhile").
 
 Every member must fuse alike, or their backends would see different collectives: the choice
 reads only what the signature fixes on every member (operation, dtype, shape, reduce op,
@@ -132,7 +132,7 @@ class _Fused:
         _, whole, views = spare
         self.carrier.hold = (self.carrier.hold, whole)
         # The spare's view of the group's length: a step fuses groups of the same lengths
-        # every iteration, and slicing a tensor took 8 µs of a group's start.
+        # every iteration, and slicing a tensor was a large part of a group's start.
         obj = views.get(self.numel)
         if obj is None:
             if len(views) >= _MAX_VIEWS:

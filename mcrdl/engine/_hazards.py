@@ -8,10 +8,10 @@ Ranges are kept per exact ``(start, stop)`` region with that region's last write
 since; a sorted list of region starts answers "which regions overlap [a, b)" in O(log n + k),
 so that the cost per operation stays flat with thousands of operations in flight
 (``benchmarks/overhead.py`` measures it). A linear scan over all in-flight operations was
-rejected: 10,000 in flight made every submission 10,000 comparisons. Starts leave the sorted
-list lazily, in batches: deleting each one at once moved the whole list (operations finish
-oldest first, and the oldest sit at its front), which cost 3 µs per operation with 10,000 in
-flight.
+rejected: with thousands in flight, every submission made thousands of comparisons. Starts
+leave the sorted list lazily, in batches: deleting each one at once moved the whole list
+(operations finish oldest first, and the oldest sit at its front), an O(n) move per
+operation.
 
 A range with one access and no other range at its start (most ranges in flight: each
 operation on its own buffer) is kept as that access itself, with its stop and mode in a

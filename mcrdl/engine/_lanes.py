@@ -145,7 +145,7 @@ class Lane:
         self.rank: int = group.rank
         self.size: int = group.size
         self.pending: deque[CommFuture] = deque()
-        # Plain tuples in OpRecord's field order (a NamedTuple costs 0.4 µs more per op);
+        # Plain tuples in OpRecord's field order (a NamedTuple costs more per operation);
         # the state is the future's state number.
         self.history: deque[tuple[Any, ...]] = deque(maxlen=HISTORY)
         #: The engine's in-flight record of this lane's backend.

@@ -1,17 +1,16 @@
 """Tracks: one backend's issued, unfinished requests, tested a bounded window at a time.
 
-Testing every in-flight request on every poll made the engine's cost per operation grow
-with the number in flight (``Testsome`` over 10,000 requests costs ~230 µs, and rebuilding
-the list after each completion is O(n) again): 10,000 operations in flight cost 1.8 ms each.
-A track instead tests the oldest ``WINDOW`` requests (collectives finish roughly in issue
-order) plus a window that rotates over the rest, so every request is tested within
-``len / WINDOW`` polls (rule 5 of docs/design.md: progress everywhere). Finished entries leave
-holes that are compacted once they make up most of the list, so removal is amortized O(1):
-the holes before the oldest live entry and after the newest are dropped at once, and the
-others are squeezed out once there are more of them than live entries and a window. (Behind
-one long-lived request, a receive posted for a stop message, the holes of every later
-operation would otherwise pile up, and a new request would wait len/64 polls for the
-rotating window to reach it: docs/performance.md.)
+Testing every in-flight request on every poll made the engine's cost per operation grow with
+the number in flight (``Testsome`` over all of them, and rebuilding the list after each
+completion, are O(n) each). A track instead tests the oldest ``WINDOW`` requests
+(collectives finish roughly in issue order) plus a window that rotates over the rest, so
+every request is tested within ``len / WINDOW`` polls (rule 5 of docs/design.md: progress
+everywhere). Finished entries leave holes that are compacted once they make up most of the
+list, so removal is amortized O(1): the holes before the oldest live entry and after the
+newest are dropped at once, and the others are squeezed out once there are more of them than
+live entries and a window. (Behind one long-lived request, a receive posted for a stop
+message, the holes of every later operation would otherwise pile up, and a new request would
+wait len/64 polls for the rotating window to reach it.)
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 launcher. ``dist.init_process_group("mcrdl", store=...)`` brings mcrdl up from that store
 (gloo only), and a collective and a DDP step run through it.
 
-    python tests/multirank/torch_store_check.py <store file> <rank> <world size>
+    python tests/ranks/torch_store_check.py <store file> <rank> <world size>
 """
 
 import sys
