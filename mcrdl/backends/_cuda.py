@@ -28,9 +28,10 @@ class CudaDevice(Device):
         self.name = f"cuda:{index}"
         self._device = torch.device("cuda", index)
         # torch.cuda's own stream functions (current_stream, the stream() context) check
-        # their arguments and the device in Python on every call, several µs each
-        # (docs/gpu.md); every operation on device buffers asks for the current stream and
-        # most switch it: these are the calls they make underneath.
+        # their arguments and the device in Python on every call, which costs many times
+        # the call underneath (docs/performance-log.md, "GPU lanes on one H200: host costs,
+        # staged MPI, overlap"); every operation on device buffers asks for the current
+        # stream and most switch it: these are the calls they make underneath.
         c = torch._C
         self._get_stream = c._cuda_getCurrentStream  # (stream_id, device_index, device_type)
         self._set_stream = c._cuda_setStream  # sets the device too, as torch.cuda's does

@@ -21,8 +21,9 @@ Quirks beyond the contract:
   member's chunk out of it, made in the Work's ``wait()`` (so it, too, never reports
   completion before one). mcrdl runs those same two steps itself (`_Chunked`): a pollable
   allreduce, and the chunk copied by whoever sees it complete. Handing it to the pool
-  instead cost two thread hand-offs per operation: 1.21-1.50x raw torch.distributed at 2
-  ranks, 4 B to 256 KiB (docs/performance.md).
+  instead cost two thread hand-offs per operation, which left small reduce_scatters well
+  behind raw torch.distributed (docs/performance-log.md, "gloo reduce_scatter without a pool
+  thread").
 - gloo cannot move int16, uint16, uint32, uint64 or (in gather-type operations) complex
   tensors; mcrdl moves them as bit-identical views (float16, int32, int64, real pairs).
   They do not reduce, except complex SUM and AVG.
@@ -239,8 +240,8 @@ class GlooBackend(Backend):
         the cause that broke the communicator)."""
         if group.pg is not None:
             # Not a module-level list: the interpreter's exit empties those, and the exit
-            # then blocked until the peer process ended (8 s in a probe); never destroyed,
-            # the group's threads end with the process instead.
+            # then blocked until the peer process ended; never destroyed, the group's
+            # threads end with the process instead.
             forever(group.pg)
 
     def close(self) -> None:

@@ -1,13 +1,15 @@
 """The mpi backend: mpi4py's nonblocking calls, completed by ``Testsome`` over all in-flight requests.
 
 Quirks beyond the contract:
-- MPI is initialized by the runtime's bootstrap at thread level SERIALIZED (MULTIPLE costs
-  ~2x per small call with MPICH); the engine's lock serializes every call made here.
+- MPI is initialized by the runtime's bootstrap at thread level SERIALIZED (MULTIPLE makes
+  every small call markedly dearer with MPICH: docs/performance.md, "Symptom -> setting");
+  the engine's lock serializes every call made here.
 - torch tensors travel as ``MPI.buffer.fromaddress`` over their storage with an explicit
-  datatype (0.1 µs; their ``.numpy()`` view costs 0.7 µs and a tensor handed to mpi4py
-  directly 5-20 µs); numpy arrays travel as themselves. bfloat16 has no MPI datatype: it
-  travels as int16 bits, and bfloat16 and float16 reduce through user-defined ops that
-  reduce with torch (see ``_half_ops``).
+  datatype, the cheapest way: their ``.numpy()`` view costs several times as much per call,
+  and a tensor handed to mpi4py directly (through its buffer protocol) many times more
+  (docs/performance-log.md, "Fast paths kept and dropped"); numpy arrays travel as
+  themselves. bfloat16 has no MPI datatype: it travels as int16 bits, and bfloat16 and
+  float16 reduce through user-defined ops that reduce with torch (see ``_half_ops``).
 - Every communicator is private (a Dup or Create_group), so user traffic on COMM_WORLD can
   never match ours.
 - Reductions on bool use the logical ops (SUM and MAX are LOR, PROD and MIN are LAND).
@@ -116,8 +118,10 @@ class _MPIGroup:
 class _Segmented:
     """A large allreduce cut into segments, a window of them in flight at a time.
 
-    MPICH's nonblocking allreduce of 64 MiB takes ~28 ms here where its blocking one takes
-    ~19 ms; 2 MiB segments two at a time take ~10 ms (and 16 MiB: 2.1 ms against 4.6 ms).
+    MPICH's nonblocking allreduce of a large message takes much longer than its blocking
+    one; segments of ``SEGMENT_BYTES``, ``SEGMENT_WINDOW`` at a time, finish sooner than
+    either (docs/performance-log.md, "The overhead table before the five-op benchmark (Intel
+    Xeon host)").
 
     Invariants: ``pieces[next:]`` are not issued yet; ``active`` holds the issued, unfinished
     segment requests; segments are issued in order, and only by ``MPIBackend._advance``.
@@ -157,10 +161,10 @@ def _half_ops(MPI: Any) -> dict[Any, Any]:
 def _make_half_ops(MPI: Any) -> dict[Any, Any]:
     """MPI ops reducing 16-bit floats (bfloat16, float16) with torch, by bit pattern.
 
-    MPI has no bfloat16 type, and MPICH's float16 reduction runs ~30x slower than float32
-    (4 ms per MiB here); a user-defined op over the 2-byte words, reducing with torch in the
-    dtype the operation carries, takes ~0.2 ms per MiB. The callback must never raise: an
-    exception inside it aborts the whole MPI job. So it only reinterprets the two buffers
+    MPI has no bfloat16 type, and MPICH's float16 reduction runs far slower than its float32
+    one; a user-defined op over the 2-byte words, reducing with torch in the dtype the
+    operation carries, is many times faster than MPICH's own. The callback must never raise:
+    an exception inside it aborts the whole MPI job. So it only reinterprets the two buffers
     (empty ones are skipped) and reduces in place.
     """
     import torch
@@ -262,9 +266,10 @@ class MPIBackend(Backend):
             self_progressing=False,
             # One collective per communicator in flight: MPICH moves data only inside the
             # caller's tests, and tests of many nonblocking collectives at once advance them
-            # all slower than one after another. Issued together then waited for, 64
-            # allreduces took 1.8-2.7x as long per operation as one at a time, 4 B to 4 MiB
-            # (docs/performance.md, "One collective in flight per MPI communicator").
+            # all slower than one after another: a burst of allreduces issued together, then
+            # waited for, takes longer per operation than the same ones one at a time, small
+            # or large (docs/performance-log.md, "One collective in flight per MPI
+            # communicator").
             issue_window=1,
         )
 
@@ -305,8 +310,9 @@ class MPIBackend(Backend):
         """From ``COPY_BY_TYPES`` copies on, all in one call: two indexed datatypes, one over
         the sources and one over the destinations (addresses from ``MPI_BOTTOM``), and a
         sendrecv to this process, which MPICH runs as one copy loop in C. A ``memmove``
-        through ctypes costs 0.4-0.7 µs a call: 64 copies of 4 bytes took 44 µs one by one,
-        16 this way; 8 copies about the same either way (docs/performance.md)."""
+        through ctypes costs a Python call per copy, whatever its length, so many small
+        copies go faster in one call; at ``COPY_BY_TYPES`` copies the two ways cost about the
+        same (docs/performance-log.md, "Fusion's copies in one MPI call")."""
         if len(copies) < COPY_BY_TYPES:
             super().copy_host(copies)
             return
@@ -334,7 +340,8 @@ class MPIBackend(Backend):
     def _msg(self, buf: Buffer) -> list[Any]:
         """mpi4py's message spec for ``buf``: its memory and its datatype. A tensor goes by
         address: handing mpi4py its ``.numpy()`` view, or the tensor itself, costs more per
-        call than the rest of the spec (docs/performance.md); an array goes as itself."""
+        call than the rest of the spec (docs/performance-log.md, "Fast paths kept and
+        dropped"); an array goes as itself."""
         mem = self._fromaddress(buf.addr, buf.nbytes) if buf.is_torch else buf.obj
         return [mem, self._types[buf.dtype]]
 

@@ -1,11 +1,12 @@
 """Bootstrap: which launcher started this process, who we are, and a store for the backends.
 
 - ``mpiexec``/``srun`` (PMI or OpenMPI variables present): MPI is initialized here, at thread
-  level SERIALIZED (all MPI calls go through the engine's lock; MULTIPLE doubles the cost of a
-  small call), and the store for gloo is bootstrapped through MPI: rank 0 serves it on the
-  address every rank agreed on (`_netaddr`: loopback where all ranks share a network,
-  otherwise the first of rank 0's addresses that every rank reached) and broadcasts the
-  port. No MASTER_ADDR/MASTER_PORT needed.
+  level SERIALIZED (all MPI calls go through the engine's lock; MULTIPLE makes a small call
+  markedly dearer: docs/performance.md, "Symptom -> setting"), and the store for gloo is
+  bootstrapped through MPI: rank 0 serves it on the address every rank agreed on
+  (`_netaddr`: loopback where all ranks share a network, otherwise the first of rank 0's
+  addresses that every rank reached) and broadcasts the port. No MASTER_ADDR/MASTER_PORT
+  needed.
 - ``torchrun`` (``TORCHELASTIC_RUN_ID``, or ``RANK``/``WORLD_SIZE``): no MPI; the store is the
   launcher's rendezvous (``env://``); across hosts each rank binds the address its route to
   ``MASTER_ADDR`` leaves from.

@@ -12,9 +12,9 @@ queue, over a connection of its own (a ``clone`` of the store: the main connecti
 serves gloo's rendezvous), which hands each notice to the engine. Nothing polls: the listener
 sleeps in the store's server until a notice, or its own stop, arrives.
 
-Rejected: reading a key from the progress loop (a store round trip, ~50-100 µs, on the
-waiting thread every few milliseconds), and MPI messages (there is no MPI under torchrun, and
-a posted receive would be tested on every poll).
+Rejected (docs/reliability.md, "Rejected"): reading a key from the progress loop (a store
+round trip, far dearer than a poll, on the waiting thread every few milliseconds), and MPI
+messages (there is no MPI under torchrun, and a posted receive would be tested on every poll).
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ class Buffer(NamedTuple):
     """One checked, contiguous buffer: the caller's object and what backends need of it.
 
     A named tuple: one is made per buffer per operation, and ``tuple.__new__`` with C-level
-    field getters costs a third of a slotted object's ``__init__``.
+    field getters costs far less than a slotted object's ``__init__``.
 
     Attributes:
         obj: the caller's object, never a copy; ``numpy()`` and ``torch()`` share its memory.
@@ -144,8 +144,9 @@ class Buffer(NamedTuple):
 
 _new = tuple.__new__
 _CPU = "cpu"
-# A writable array's address through the buffer protocol: 0.25 µs, where reading it from
-# ``__array_interface__`` builds a dict and costs 1.8 µs (numpy 2.4, docs/performance.md).
+# A writable array's address through the buffer protocol: several times cheaper than reading
+# it from ``__array_interface__``, which builds a dict (docs/performance-log.md, "GPU lanes on
+# the CPU path, and a numpy array's address").
 _from_buffer = ctypes.c_char.from_buffer
 _addressof = ctypes.addressof
 

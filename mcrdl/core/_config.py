@@ -27,7 +27,8 @@ __all__ = ["Config", "DEFAULT_FUSION_BYTES", "DEFAULT_TIMEOUT"]
 
 #: Seconds an issued operation may take before it fails with CommTimeoutError.
 DEFAULT_TIMEOUT = 300.0
-#: Bytes one fused allreduce carries at most (`mcrdl.engine._fusion`; docs/performance.md).
+#: Bytes one fused allreduce carries at most (`mcrdl.engine._fusion`; docs/performance-log.md,
+#: "Fusion of small named allreduces; awaiting tasks that finished meanwhile").
 DEFAULT_FUSION_BYTES = 1 << 20
 
 _TRUE = {"1", "true", "yes", "on"}

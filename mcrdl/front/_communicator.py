@@ -36,7 +36,7 @@ _ALLTOALL = OpKind.ALLTOALL
 _BROADCAST = OpKind.BROADCAST
 _REDUCE_SCATTER = OpKind.REDUCE_SCATTER
 _NO_RANGES: tuple[tuple[int, int], ...] = ()
-_NAMES = {kind: kind.value for kind in OpKind}  # Enum.value is a property: 0.1 µs a read
+_NAMES = {kind: kind.value for kind in OpKind}  # Enum.value is a property; a dict read is cheaper
 _MAX_TAG = 32767  # the largest tag every MPI library must accept (MPI_TAG_UB >= 32767)
 
 
@@ -53,7 +53,7 @@ def _check_name(name: Any) -> None:
 def _with_rows(shape: Any, rows: int) -> tuple[int, ...]:
     """``shape`` (a buffer's) with ``rows`` in place of its dim 0. A 1-d shape, the common
     case, is not sliced: slicing a torch.Size shows in a small operation's overhead
-    (docs/performance.md)."""
+    (docs/performance-log.md, "Fast paths kept and dropped")."""
     return (rows,) if len(shape) == 1 else (rows, *shape[1:])
 
 
@@ -293,9 +293,9 @@ class Communicator:
                    on_device: bool) -> str:
         """A named collective's signature: what its members must agree on, as text; kept
         per (operation, backend, arguments' dtypes and shapes), since a training step names
-        the same shapes every iteration and the text costs a few µs to make. ``on_device``
-        (the operation's ``device`` is set) is part of it: fusion reads it, and every member
-        must fuse alike (`mcrdl.engine._fusion`)."""
+        the same shapes every iteration and making the text each time would show in a small
+        operation's overhead. ``on_device`` (the operation's ``device`` is set) is part of
+        it: fusion reads it, and every member must fuse alike (`mcrdl.engine._fusion`)."""
         parts = [kind, backend, on_device]
         for a in args[1:]:  # (a loop: a comprehension's frame cost more than the rest)
             if type(a) is Buffer:

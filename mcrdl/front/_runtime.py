@@ -479,7 +479,7 @@ def _cuda_devices(known: Mapping[str, Any]) -> dict[str, Any]:
 
 
 #: The background thread's longest nap where the ranks fill the cores, one a core
-#: (docs/performance.md).
+#: (docs/performance-log.md, "The progress thread naps longer where the ranks fill the cores").
 _FULL_NODE_NAP = 4e-3
 
 
@@ -490,7 +490,8 @@ def _poll_policy(bootstrap: Bootstrap | None) -> PollPolicy:
       nothing to poll (`PollPolicy.background_nap_max`), since it has no core of its own.
       Not where there are more ranks than cores: there the peers wait on a rank's polls
       while it computes, and 4 ms naps made the examples' steps longer
-      (docs/performance.md)."""
+      (docs/performance-log.md, "The progress thread naps longer where the ranks fill the
+      cores")."""
     if bootstrap is None:
         return PollPolicy()
     cores = os.cpu_count() or 1
