@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_PREFERENCE", "Router", "Selector", "Slot"]
 
 #: The built-in order for backend="auto" without a tuning table: measured on one node, MPI
-#: beats gloo for every collective and size (MACHINE-NOTES.md), so it goes first.
+#: beats gloo for every collective and size (`python -m mcrdl bench` shows it on a host;
+#: docs/benchmarks.md), so it goes first.
 DEFAULT_PREFERENCE = ("mpi", "gloo")
 
 
