@@ -16,10 +16,21 @@ from ..core._buffers import Buffer, as_buffer, new_buffer
 from ..core._errors import CommClosedError, MCRDLError, UnsupportedOperationError
 from ..core._types import COLLECTIVES, DType, OpKind, ReduceOp
 from ..engine import CommFuture
-from ..engine._names import MAX_NAME_BYTES, Names
+from ..engine._names import Names
 from ..engine._states import CHECK_KIND
 from ._alltoallv import Exchanged
 from ._debug import FIELDS, check, describe, fingerprint, task_id
+from ._validate import (
+    check_counts,
+    check_name,
+    check_op,
+    check_peer,
+    check_rank,
+    check_tag,
+    out_buffer,
+    split_shape,
+    with_rows,
+)
 
 if TYPE_CHECKING:
     from ..engine import Lane
@@ -37,30 +48,6 @@ _BROADCAST = OpKind.BROADCAST
 _REDUCE_SCATTER = OpKind.REDUCE_SCATTER
 _NO_RANGES: tuple[tuple[int, int], ...] = ()
 _NAMES = {kind: kind.value for kind in OpKind}  # Enum.value is a property; a dict read is cheaper
-_MAX_TAG = 32767  # the largest tag every MPI library must accept (MPI_TAG_UB >= 32767)
-
-
-def _check_name(name: Any) -> None:
-    if type(name) is not str:
-        raise TypeError(f"name must be a str, got {name!r}")
-    if not name or "\0" in name or len(name.encode()) > MAX_NAME_BYTES:
-        raise ValueError(
-            f"name={name[:60]!r}: a name must be a non-empty string of at most "
-            f"{MAX_NAME_BYTES} UTF-8 bytes without NUL characters"
-        )
-
-
-def _with_rows(shape: Any, rows: int) -> tuple[int, ...]:
-    """``shape`` (a buffer's) with ``rows`` in place of its dim 0. A 1-d shape, the common
-    case, is not sliced: slicing a torch.Size shows in a small operation's overhead
-    (docs/performance-log.md, "Fast paths kept and dropped")."""
-    return (rows,) if len(shape) == 1 else (rows, *shape[1:])
-
-
-def _check_op(op: Any) -> ReduceOp:
-    if type(op) is ReduceOp:
-        return op
-    raise TypeError(f"op must be a mcrdl.ReduceOp (e.g. ReduceOp.SUM), got {op!r}")
 
 
 class Communicator:
@@ -209,14 +196,14 @@ class Communicator:
         the candidate lanes and the chooser of an operation whose backend is decided later
         (``Engine.submit``); ``slot`` is then only a placeholder among them. ``stream``:
         ``(peer, tag, sends)`` for a send or receive (what its peer matches it among).
-        ``name``: the collective's ``name=`` (checked by `_check_name`), which its members
+        ``name``: the collective's ``name=`` (checked by `check_name`), which its members
         match it by instead of its position (rule 8; `mcrdl.engine._names`). Debug mode
         checks a named collective by its signature, which travels with its name, instead of
         by its position.
         """
         device = self._device_of(args) if self._devices else None  # (may refuse: first)
         if name is not None:  # on its backend's named lane, placed where the members agree
-            _check_name(name)
+            check_name(name)
             self._seq = seq = self._seq + 1
             named = self._named[slot.backend.name]
             fut = CommFuture(_NAMES[kind], named.lane, seq, start, (named.group, *args[1:]),
@@ -314,74 +301,6 @@ class Communicator:
             self._sigs[key] = sig
         return sig
 
-    def _rank_arg(self, name: str, value: Any) -> int:
-        if type(value) is not int and not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{name} must be an int, got {value!r}")
-        value = int(value)
-        if not 0 <= value < self.size:
-            raise ValueError(
-                f"{name}={value} out of range for communicator of size {self.size}"
-            )
-        return int(value)
-
-    def _peer_arg(self, name: str, value: Any) -> int:
-        value = self._rank_arg(name, value)
-        if value == self.rank:
-            raise ValueError(
-                f"{name}={value} is this rank; a message to oneself is a local copy: "
-                "use tensor.copy_() instead"
-            )
-        return int(value)
-
-    @staticmethod
-    def _tag_arg(tag: Any) -> int:
-        if type(tag) is not int and not isinstance(tag, (int, np.integer)):
-            raise TypeError(f"tag must be an int, got {tag!r}")
-        if not 0 <= tag <= _MAX_TAG:
-            raise ValueError(f"tag={tag} out of range; tags are 0..{_MAX_TAG} on every backend")
-        return int(tag)
-
-    def _split_shape(self, kind: OpKind, b: Buffer, name: str = "buf") -> Any:
-        """The shape of ``b``, whose dim 0 must split into ``size`` equal chunks."""
-        shape = b.obj.shape
-        if not shape:
-            raise ValueError(
-                f"{kind.value} splits dim 0, but {name} is 0-dimensional; pass "
-                f"{name}.reshape(1) or a buffer with a leading dimension"
-            )
-        if shape[0] % self.size:
-            raise ValueError(
-                f"{kind.value} needs dim 0 of {name} divisible by the communicator size "
-                f"{self.size}; got shape {tuple(b.shape)}"
-            )
-        return shape
-
-    def _out(self, kind: OpKind, out: Any, b: Buffer, shape: tuple[int, ...] | None) -> Buffer:
-        """Check a caller's ``out`` for a result of ``shape`` (None: any shape), or allocate
-        one."""
-        if out is None and shape is not None:
-            return new_buffer(b.empty(shape), b.is_torch, b.dtype, b.device)
-        o = as_buffer(out, "out", True)
-        if o.dtype is not b.dtype:
-            raise TypeError(
-                f"out has dtype {o.dtype.value} but buf has {b.dtype.value}; they must match"
-            )
-        if o.device != b.device:
-            raise ValueError(
-                f"out is on {o.device} but buf is on {b.device}; pass an out on {b.device}"
-            )
-        # (the ends written out: Buffer.stop, a property, costs a call each)
-        if o.nbytes and b.nbytes and o.addr < b.addr + b.nbytes and b.addr < o.addr + o.nbytes:
-            raise ValueError(
-                f"out overlaps buf; {kind.value} cannot run in place: pass a separate out"
-            )
-        if shape is not None and o.obj.shape != shape:  # torch.Size, numpy shapes == tuples
-            raise ValueError(
-                f"out has shape {tuple(o.shape)}; {kind.value} of buf with shape "
-                f"{tuple(b.shape)} on {self.size} ranks needs {tuple(shape)}"
-            )
-        return o
-
     def _avg_finish(self, target: Any) -> Any:
         size = self.size
 
@@ -401,8 +320,8 @@ class Communicator:
     ) -> CommFuture:
         """Send ``buf`` to rank ``dst``; resolves to None once ``buf`` may be reused."""
         b = as_buffer(buf, "buf")
-        dst = self._peer_arg("dst", dst)
-        tag = self._tag_arg(tag)
+        dst = check_peer("dst", dst, self.size, self.rank)
+        tag = check_tag(tag)
         slot, _ = self._choose(OpKind.SEND, b.dtype, None, b.nbytes, backend, b.device)
         return self._submit(OpKind.SEND, slot, slot.backend.start_send, (slot.group, b, dst, tag),
                             b.ranges, _NO_RANGES, None, b.nbytes, after, hold=b.obj,
@@ -414,8 +333,8 @@ class Communicator:
     ) -> CommFuture:
         """Receive into ``buf`` from rank ``src`` (the same backend the sender chose)."""
         b = as_buffer(buf, "buf", True)
-        src = self._peer_arg("src", src)
-        tag = self._tag_arg(tag)
+        src = check_peer("src", src, self.size, self.rank)
+        tag = check_tag(tag)
         slot, _ = self._choose(OpKind.RECV, b.dtype, None, b.nbytes, backend, b.device)
         return self._submit(OpKind.RECV, slot, slot.backend.start_recv, (slot.group, b, src, tag),
                             _NO_RANGES, b.ranges, buf, b.nbytes, after, stream=(src, tag, False))
@@ -428,7 +347,7 @@ class Communicator:
     ) -> CommFuture:
         """Copy ``root``'s ``buf`` into every member's ``buf``; resolves to ``buf``."""
         b = as_buffer(buf, "buf", True)
-        root = self._rank_arg("root", root)
+        root = check_rank("root", root, self.size)
         slot, _ = self._choose(_BROADCAST, b.dtype, None, b.nbytes, backend, b.device)
         r = b.ranges
         reads, writes = (r, _NO_RANGES) if root == self.rank else (_NO_RANGES, r)
@@ -441,8 +360,8 @@ class Communicator:
     ) -> CommFuture:
         """Reduce every member's ``buf`` into ``root``'s; others' stay as they were."""
         b = as_buffer(buf, "buf", True)
-        root = self._rank_arg("root", root)
-        op = _check_op(op)
+        root = check_rank("root", root, self.size)
+        op = check_op(op)
         slot, emulate = self._choose(OpKind.REDUCE, b.dtype, op, b.nbytes, backend,
                                      b.device)
         finish = None
@@ -462,7 +381,7 @@ class Communicator:
     ) -> CommFuture:
         """Reduce every member's ``buf`` into every member's ``buf``; resolves to ``buf``."""
         b = as_buffer(buf, "buf", True)
-        op = _check_op(op)
+        op = check_op(op)
         slot, emulate = self._choose(_ALLREDUCE, b.dtype, op, b.nbytes, backend, b.device)
         finish = None
         if emulate:
@@ -480,7 +399,7 @@ class Communicator:
         ``out`` is used on the root only; elsewhere it is left untouched.
         """
         b = as_buffer(buf, "buf")
-        root = self._rank_arg("root", root)
+        root = check_rank("root", root, self.size)
         shape = b.obj.shape
         if not shape:
             raise ValueError("gather concatenates along dim 0, but buf is 0-dimensional; "
@@ -489,7 +408,8 @@ class Communicator:
                                b.device)
         o = None
         if root == self.rank:
-            o = self._out(OpKind.GATHER, out, b, _with_rows(shape, shape[0] * self.size))
+            o = out_buffer(OpKind.GATHER, out, b, with_rows(shape, shape[0] * self.size),
+                           self.size)
         return self._submit(OpKind.GATHER, slot, slot.backend.start_gather,
                             (slot.group, b, o, root), b.ranges,
                             o.ranges if o is not None else _NO_RANGES,
@@ -508,7 +428,7 @@ class Communicator:
                              "pass buf.reshape(1)")
         slot, _ = self._choose(_ALLGATHER, b.dtype, None, b.nbytes * self.size, backend,
                                b.device)
-        o = self._out(_ALLGATHER, out, b, _with_rows(shape, shape[0] * self.size))
+        o = out_buffer(_ALLGATHER, out, b, with_rows(shape, shape[0] * self.size), self.size)
         return self._submit(_ALLGATHER, slot, slot.backend.start_allgather, (slot.group, b, o),
                             b.ranges, o.ranges, o.obj, b.nbytes, after, hold=b.obj, name=name)
 
@@ -521,7 +441,7 @@ class Communicator:
         Off the root, ``buf`` only gives the shape and dtype (its contents are not read) and
         may be None when ``out`` is given.
         """
-        root = self._rank_arg("root", root)
+        root = check_rank("root", root, self.size)
         if buf is None and root != self.rank and out is not None:
             o = as_buffer(out, "out", True)
             if not o.shape:
@@ -530,8 +450,9 @@ class Communicator:
             dtype, nbytes, device = o.dtype, o.nbytes * self.size, o.device
         else:
             b = as_buffer(buf, "buf")
-            shape = self._split_shape(OpKind.SCATTER, b)
-            o = self._out(OpKind.SCATTER, out, b, _with_rows(shape, shape[0] // self.size))
+            shape = split_shape(OpKind.SCATTER, b, self.size)
+            o = out_buffer(OpKind.SCATTER, out, b, with_rows(shape, shape[0] // self.size),
+                           self.size)
             dtype, nbytes, device = b.dtype, b.nbytes, b.device
         slot, _ = self._choose(OpKind.SCATTER, dtype, None, nbytes, backend, device)
         send = b if root == self.rank else None
@@ -547,11 +468,12 @@ class Communicator:
     ) -> CommFuture:
         """Reduce members' ``buf``; member i receives chunk i (along dim 0) in ``out``."""
         b = as_buffer(buf, "buf")
-        op = _check_op(op)
-        shape = self._split_shape(_REDUCE_SCATTER, b)
+        op = check_op(op)
+        shape = split_shape(_REDUCE_SCATTER, b, self.size)
         slot, emulate = self._choose(_REDUCE_SCATTER, b.dtype, op, b.nbytes, backend,
                                      b.device)
-        o = self._out(_REDUCE_SCATTER, out, b, _with_rows(shape, shape[0] // self.size))
+        o = out_buffer(_REDUCE_SCATTER, out, b, with_rows(shape, shape[0] // self.size),
+                       self.size)
         finish = None
         if emulate:
             op = _SUM
@@ -566,9 +488,9 @@ class Communicator:
     ) -> CommFuture:
         """Chunk j of this rank's ``buf`` (along dim 0) goes to rank j; resolves to ``out``."""
         b = as_buffer(buf, "buf")
-        shape = self._split_shape(_ALLTOALL, b)
+        shape = split_shape(_ALLTOALL, b, self.size)
         slot, _ = self._choose(_ALLTOALL, b.dtype, None, b.nbytes, backend, b.device)
-        o = self._out(_ALLTOALL, out, b, shape)
+        o = out_buffer(_ALLTOALL, out, b, shape, self.size)
         return self._submit(_ALLTOALL, slot, slot.backend.start_alltoall, (slot.group, b, o),
                             b.ranges, o.ranges, o.obj, b.nbytes, after, hold=b.obj, name=name)
 
@@ -595,7 +517,7 @@ class Communicator:
         if not b.shape:
             raise ValueError("alltoallv splits dim 0, but buf is 0-dimensional; pass "
                              "buf.reshape(-1)")
-        send = self._counts("send_counts", send_counts)
+        send = check_counts("send_counts", send_counts, self.size)
         if sum(send) != b.shape[0]:
             raise ValueError(
                 f"send_counts sum to {sum(send)} but buf has {b.shape[0]} rows along dim 0; "
@@ -604,10 +526,11 @@ class Communicator:
         tail = tuple(b.shape[1:])
         recv = None
         if recv_counts is not None:
-            recv = self._counts("recv_counts", recv_counts)
-            o: Buffer | None = self._out(OpKind.ALLTOALLV, out, b, (sum(recv), *tail))
+            recv = check_counts("recv_counts", recv_counts, self.size)
+            o: Buffer | None = out_buffer(OpKind.ALLTOALLV, out, b, (sum(recv), *tail),
+                                          self.size)
         elif out is not None:
-            o = self._out(OpKind.ALLTOALLV, out, b, None)
+            o = out_buffer(OpKind.ALLTOALLV, out, b, None, self.size)
             if tuple(o.shape[1:]) != tail:
                 raise ValueError(f"out has shape {tuple(o.shape)}; alltoallv of buf with "
                                  f"shape {tuple(b.shape)} needs (sum(recv_counts), *{tail})")
@@ -635,25 +558,12 @@ class Communicator:
                                 (slot.group, b, send, o, recv), b.ranges, writes, o.obj,
                                 b.nbytes, after, hold=b.obj, name=name)
         if name is not None:  # (before the exchange, which takes a name made from it)
-            _check_name(name)
+            check_name(name)
         plan = Exchanged(self, b, send, tail, backend, None, name)
         plan.backend = slot.backend
         return self._submit(OpKind.ALLTOALLV, slot, plan.start, (slot.group, b, send, o, recv),
                             b.ranges, writes, None, b.nbytes, [*after, plan.exchange],
                             plan.finish, b.obj, name=name)
-
-    def _counts(self, name: str, counts: Sequence[int]) -> tuple[int, ...]:
-        try:
-            values = tuple(int(c) for c in counts)
-        except TypeError:
-            raise TypeError(f"{name} must be a sequence of {self.size} ints, got {counts!r}") from None
-        if len(values) != self.size:
-            raise ValueError(
-                f"{name} has {len(values)} entries; the communicator has {self.size} ranks"
-            )
-        if any(c < 0 for c in values):
-            raise ValueError(f"{name} has a negative count: {list(values)}")
-        return values
 
     def barrier(
         self, *, backend: str | None = None, after: Sequence[CommFuture] = (),
