@@ -114,3 +114,35 @@ def test_receives_posted_before_sends_on_a_windowed_lane(seed):
     assert [r[:3] for r in res] == [([6.0] * 4, [float((r - 1) % 3)] * 2, [3.0] * 3)
                                     for r in range(3)]
     assert all(r[3] == 1 for r in res)  # fa in flight, fb waiting for its place
+
+
+def _async_step(comm):
+    """Two tasks' named allreduces, then a send and a receive, each awaited."""
+    import asyncio
+
+    async def step():
+        async def one(x, name):
+            return await comm.allreduce(x, name=name)
+
+        sums = await asyncio.gather(one(np.full(4, comm.rank + 1.0), "a"),
+                                    one(np.full(4, 10.0 * (comm.rank + 1)), "b"))
+        got, peer = np.zeros(2), 1 - comm.rank
+        if comm.rank == 0:
+            await comm.send(np.ones(2), peer)
+            await comm.recv(got, peer)
+        else:
+            await comm.recv(got, peer)
+            await comm.send(np.full(2, 2.0), peer)
+        return [s.tolist() for s in sums], got.tolist()
+
+    return asyncio.run(step())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_an_asyncio_step_runs_in_the_simulated_world(seed):
+    """An awaiting task idles as the engine decides, as a waiting thread does: in the
+    simulated world it hands control to the scheduler, so the other ranks run (before, its
+    event loop kept the scheduler's turn and the world hung)."""
+    sums = [[3.0] * 4, [30.0] * 4]
+    assert SimWorld(2, seed=seed).run(_async_step) == [(sums, [2.0, 2.0]), (sums, [1.0, 1.0])]
