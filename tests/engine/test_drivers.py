@@ -293,6 +293,27 @@ def test_a_lone_spin_stops_when_another_operation_arrives():
     assert backend.one_tests == 0
 
 
+def test_a_wait_with_a_request_of_another_backend_in_flight_polls_both():
+    """Rule 5: a request of another backend in flight makes a wait no lone spin: each poll
+    tests every backend, so that one moves too. Here the waited operation ends only once the
+    other backend's request has been polled, as an MPI operation may need its peer's work on
+    another backend to move first."""
+    other = Counting(after=10**9, name="gloo")  # (a backend that moves only while tested)
+
+    class Needs(ManualBackend):
+        def test(self, requests):
+            if other.tests:
+                for request in requests:
+                    request.done = True
+            return super().test(requests)
+
+    mine = Needs(name="mpi")
+    engine = Engine(background=False)
+    submit(engine, other, "allreduce", comm="b")
+    fut = submit(engine, mine, "allreduce", comm="a")
+    assert fut.wait(timeout=5.0) is None and other.tests > 0
+
+
 def test_a_wait_spins_on_the_only_request_in_flight_with_a_queue_behind_it():
     """A burst on a lane that issues one collective at a time (MPI's window): the request in
     flight is the only one, the rest wait for it, so each wait spins on it with direct tests
@@ -340,8 +361,10 @@ def test_an_await_spins_on_its_operation_once_a_poll_issues_it(spin_polls):
                 await asyncio.sleep(0)
 
         task = asyncio.ensure_future(rescue())
-        await second
-        await task
+        try:
+            await asyncio.wait_for(awaited(second), 5.0)
+        finally:
+            task.cancel()
 
     asyncio.run(main())
     assert second.done() and not rescued

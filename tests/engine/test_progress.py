@@ -174,6 +174,35 @@ def test_long_chain_settles_without_recursion(engine, mpi):
     assert head.state == "DONE" and all(f.state == "DONE" for f in chain)
     assert engine.stats().in_flight == 0 and engine.in_flight() == 0
 
+@pytest.mark.parametrize("verdict", ["timeout", "desync"])
+def test_a_fingerprint_check_is_its_collectives_own_verdict(clock, mpi, verdict):
+    """Debug mode's check of a collective's fingerprint speaks for the collective: when the
+    peers do not arrive in time, the collective fails with CommTimeoutError, and with
+    DesyncError when the fingerprints differ -- each naming the collective, never a failed
+    dependency (which would hide why)."""
+    from mcrdl import DesyncError
+    from mcrdl.engine._states import CHECK_KIND
+
+    engine = Engine(background=False, clock=clock, timeout=5.0)
+    group = mpi.world()
+    lane = engine.lane(mpi, group, engine.comm("world", group.rank, group.size))
+
+    def finish_check(_fut):
+        raise DesyncError("rank 0: allreduce#1 ...; rank 1: broadcast#1 ...")
+
+    check = engine.submit(CommFuture(CHECK_KIND, lane, 1, mpi.start_allgather, ("check",), (),
+                                     (), None, 0, finish_check if verdict == "desync" else None))
+    op = submit(engine, mpi, "allreduce", writes=[A], after=[check])
+    if verdict == "timeout":
+        clock.now += 6.0
+        engine.check_deadlines(clock.now)
+    else:
+        finish(engine, mpi, 0)
+    error = op.exception()
+    expected = CommTimeoutError if verdict == "timeout" else DesyncError
+    assert type(error) is expected and str(error).startswith(f"allreduce#{op.seq}: ")
+
+
 def test_timeout_fails_old_ops_and_dumps_flight_record(clock, mpi):
     dumps = []
     engine = Engine(background=False, clock=clock, timeout=5.0,
