@@ -38,7 +38,7 @@ from ._breaks import Breaks
 from ._events import Events
 from ._future import CommFuture, Placement, report_callback_error
 from ._hazards import HazardIndex
-from ._idle import BURST, Idling, PollPolicy
+from ._idle import Idling, PollPolicy
 from ._lanes import CommState, Lane, Stops
 from ._places import EngineStats, Places, Route
 from ._states import CANCELLED, CHECK_KIND, DONE, FAILED, ISSUED, PENDING, STATE_NAMES
@@ -126,8 +126,8 @@ class Engine(Places, Breaks, Events, Idling):
         self._policy = policy or PollPolicy()
         #: Direct tests of a lone request per poll (`Idling`): none on an oversubscribed
         #: node, where spinning takes the CPU from the other ranks.
-        self._burst = (range(0) if self._policy.oversubscribed or not self._policy.lone_spins
-                       else range(BURST - 1))
+        self._burst = (range(0) if self._policy.oversubscribed
+                       else range(max(0, self._policy.burst - 1)))
         #: Seconds an issued operation may stay unfinished before it fails (None: forever).
         self.timeout = timeout
         #: Called with the operations about to time out, under the lock and before they are
@@ -566,7 +566,7 @@ class Engine(Places, Breaks, Events, Idling):
 
         ``focus``: the operation the caller waits for. When its request is the only one in
         flight and nothing else can move meanwhile (``_lone``), and its backend moves data
-        only while tested, the poll is a burst of up to ``BURST`` direct tests of that
+        only while tested, the poll is a burst of up to ``PollPolicy.burst`` direct tests of that
         request under one hold of the lock: a test costs a fraction of a walk over every
         track. Returns
         False at once if another thread is polling (the lock is busy): that thread is making
@@ -582,7 +582,7 @@ class Engine(Places, Breaks, Events, Idling):
                 progressed = True
                 test = lone.lane.track.backend.test_one
                 request = lone._request
-                self._n_polls += BURST - 1
+                self._n_polls += len(self._burst)
                 error: BaseException | None = None
                 try:
                     # The first test stands alone: it is the one that finds most small

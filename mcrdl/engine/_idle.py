@@ -38,12 +38,8 @@ if TYPE_CHECKING:
     from ._names import Names
     from ._tracks import Track
 
-__all__ = ["AWAIT", "BLOCK", "BURST", "GIVE_WAY", "HAND_OFF", "Idling", "PARK", "POLL",
+__all__ = ["AWAIT", "BLOCK", "GIVE_WAY", "HAND_OFF", "Idling", "PARK", "POLL",
            "PollPolicy", "SCHEDULE", "SLEEP", "SPIN", "WAIT", "WAIT_WORK"]
-
-#: Direct tests of a lone request per poll (`Engine.poll`): a burst under one hold of the
-#: lock, which other threads wait for at most that long.
-BURST = 8
 
 # What a driver does before its next poll (the first of ``idle``'s answer; the second is
 # seconds): poll again at once; let other threads run (seconds 0: ``sched_yield``, else a nap
@@ -73,8 +69,10 @@ class PollPolicy:
 
     Attributes:
         spin_polls: idle polls a waiter spins before it yields, when spinning is safe.
-        lone_spins: direct tests a waiter spins on the only request in flight, when
-            spinning is safe and its backend moves data only while tested (MPI).
+        burst: direct tests of the request a poll focuses on, when it is the only one in
+            flight and its backend moves data only while tested (MPI), in one hold of the
+            lock, which other threads wait for at most that long (`Engine.poll`); 0: none,
+            every poll walks the tracks.
         yield_seconds: how long a waiter yields the CPU between polls before it sleeps (an
             awaiting task hands the wait to the background thread instead).
         block_seconds: how long a waiter polls a lone operation whose backend can block
@@ -109,7 +107,7 @@ class PollPolicy:
     """
 
     spin_polls: int = 64
-    lone_spins: int = 256
+    burst: int = 8
     yield_seconds: float = 5e-3
     block_seconds: float = 3e-4
     block_bytes: int = 1 << 20
@@ -192,12 +190,9 @@ class Idling:
         poll, after ``polls`` polls in a row that moved nothing, ``waited`` seconds into its
         wait (from its first such poll). Deadlines are checked here once spinning is over."""
         policy = self._policy
-        lone = self._lone(fut)
-        if lone is not None and lone.lane.spins_alone and self._burst:
-            if polls * BURST < policy.lone_spins:
-                return SPIN, 0.0
-        elif polls <= policy.spin_polls and self.spin_ok():
+        if polls <= policy.spin_polls and self.spin_ok():
             return SPIN, 0.0
+        lone = self._lone(fut)
         self.check_deadlines(self._clock())
         if fut._state >= DONE:  # (failed by a deadline just now)
             return SPIN, 0.0

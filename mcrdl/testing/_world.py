@@ -236,7 +236,7 @@ class SimWorld:
                                                   direct=frozenset({SIM_KIND}))
             # Its ranks progress only when the scheduler runs them: a waiter never spins.
             engine = (engine_factory or Engine)(
-                background=False, policy=PollPolicy(spin_polls=0, lone_spins=0),
+                background=False, policy=PollPolicy(spin_polls=0, burst=0),
                 timeout=timeout, clock=self.clock)
             engine.idle_hook = self.yield_
             selector = selector_factory(rank, tuple(sims)) if selector_factory else None

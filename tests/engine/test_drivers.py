@@ -165,7 +165,7 @@ def test_a_lone_wait_spins_on_its_request_and_settles_it():
     # A simulated world's ranks progress only in its scheduler: its policy has no lone
     # spins, and a poll in focus walks the tracks there.
     hooked = Counting(after=3)
-    engine = Engine(background=False, policy=PollPolicy(spin_polls=0, lone_spins=0))
+    engine = Engine(background=False, policy=PollPolicy(spin_polls=0, burst=0))
     fut = submit(engine, hooked, "allreduce")
     assert engine.poll(fut) is False and hooked.one_tests == 0 and hooked.tests == 1
     engine = Engine(background=False)
@@ -191,9 +191,8 @@ def test_a_lone_spin_counts_as_a_driver_so_the_background_thread_keeps_off():
     as a driver while it spins, so the background thread parks instead of polling beside it:
     a test of a large MPI message moves a chunk of it, the spin can last the whole operation,
     and the thread's polls beside it slowed large operations (docs/performance-log.md)."""
-    from mcrdl.engine._idle import BURST
-
-    backend = Counting(after=BURST + 5)
+    burst = Engine(background=False).policy.burst
+    backend = Counting(after=burst + 5)
     engine = Engine(background=False)
     fut = submit(engine, backend, "allreduce")
     seen = []
@@ -205,7 +204,7 @@ def test_a_lone_spin_counts_as_a_driver_so_the_background_thread_keeps_off():
 
     backend.test_one = test_one  # type: ignore[method-assign]
     fut.wait(timeout=5.0)
-    assert seen == [0] * BURST + [1] * 5 and engine.drivers == 0
+    assert seen == [0] * burst + [1] * 5 and engine.drivers == 0
 
 
 def test_the_contract_default_test_one_reports_a_failed_request():
@@ -223,11 +222,9 @@ def test_the_contract_default_test_one_reports_a_failed_request():
     assert fut.state == "FAILED" and engine.in_flight() == 0
 
 def test_an_awaited_lone_spin_is_bounded_before_the_loop_gets_a_turn():
-    """``await`` spins on a lone operation at most ``lone_spins`` tests after its first poll
-    before it gives the event loop an iteration, as ``wait()`` spins at most that many
-    before it yields."""
-    from mcrdl.engine._idle import BURST
-
+    """``await`` spins at most ``spin_polls`` polls after its first before it gives the
+    event loop an iteration, as ``wait()`` spins at most that many before it yields; on a
+    lone request each is a burst of direct tests."""
     backend = Counting(after=10**9)
     engine = Engine(background=False)
     fut = submit(engine, backend, "allreduce")
@@ -244,7 +241,8 @@ def test_an_awaited_lone_spin_is_bounded_before_the_loop_gets_a_turn():
 
     asyncio.run(main())
     assert fut.done()
-    assert engine.policy.lone_spins <= seen[0] <= BURST + engine.policy.lone_spins
+    policy = engine.policy  # (its first poll, spin_polls spun, the last that found it idle)
+    assert seen[0] == policy.burst * (2 + policy.spin_polls)
 
 def test_a_lone_spin_stops_when_another_operation_arrives():
     """Direct tests of a lone request come in bursts under one hold of the lock, so an
@@ -604,7 +602,7 @@ def test_a_waiter_for_gloo_naps_between_polls_on_an_oversubscribed_node(oversubs
     monkeypatch.setattr(_drivers, "_sleep", naps.append)
     mpi = Counting(after=10**9, name="mpi")
     gloo = ManualBackend(name="gloo", self_progressing=True)
-    policy = PollPolicy(oversubscribed=oversubscribed, spin_polls=0, lone_spins=0,
+    policy = PollPolicy(oversubscribed=oversubscribed, spin_polls=0, burst=0,
                         block_bytes=1 << 62, block_seconds=1e9, await_block_seconds=1e9)
     engine = Engine(background=False, policy=policy)
     on_mpi = submit(engine, mpi, "allreduce", comm="a")  # keeps MPI work in flight
