@@ -72,7 +72,9 @@ class PollPolicy:
         burst: direct tests of the request a poll focuses on, when it is the only one in
             flight and its backend moves data only while tested (MPI), in one hold of the
             lock, which other threads wait for at most that long (`Engine.poll`); 0: none,
-            every poll walks the tracks.
+            every poll walks the tracks. Between bursts the waiter returns to its driver,
+            and MPI moves nothing meanwhile: fewer, longer bursts finish medium and large
+            messages sooner (docs/performance.md).
         yield_seconds: how long a waiter yields the CPU between polls before it sleeps (an
             awaiting task hands the wait to the background thread instead).
         block_seconds: how long a waiter polls a lone operation whose backend can block
@@ -107,7 +109,7 @@ class PollPolicy:
     """
 
     spin_polls: int = 64
-    burst: int = 8
+    burst: int = 32
     yield_seconds: float = 5e-3
     block_seconds: float = 3e-4
     block_bytes: int = 1 << 20
