@@ -9,9 +9,12 @@ import pytest
 from mcrdl.observe._explain import explain, load_dumps
 
 
-def _op(op, seq, index, lane, age=2.0, state="ISSUED"):
-    return {"op": op, "seq": seq, "state": state, "index": index, "name": None, "bytes": 16,
-            "issued": state == "ISSUED", "age_s": age, "lane": lane, "comm": lane.split(":")[1]}
+def _op(op, seq, index, lane, age=2.0, state="ISSUED", peer=None, tag=0):
+    out = {"op": op, "seq": seq, "state": state, "index": index, "name": None, "bytes": 16,
+           "issued": state == "ISSUED", "age_s": age, "lane": lane, "comm": lane.split(":")[1]}
+    if peer is not None:
+        out["peer"], out["tag"] = peer, tag
+    return out
 
 
 def _lane(key, members, submitted, unfinished=()):
@@ -60,6 +63,46 @@ def test_a_rank_without_a_dump_is_named():
     stuck = _op("allreduce", 3, 1, "mpi:world")
     text = explain({0: _dump(0, [_lane("mpi:world", [0, 1], 1, [stuck])], [stuck])})
     assert "not arrived: rank 1 (no record of this lane); no dump from it" in text
+
+
+def test_receives_head_to_head_name_peer_and_tag_and_the_cycle():
+    """Both ranks receive first: each waits for a send the other has not posted."""
+    r0 = _op("recv", 3, 0, "mpi:world", peer=1, tag=7)
+    r1 = _op("recv", 3, 0, "mpi:world", peer=0, tag=9)
+    text = explain({0: _dump(0, [_lane("mpi:world", [0, 1], 2, [r0])], [r0]),
+                    1: _dump(1, [_lane("mpi:world", [0, 1], 2, [r1])], [r1])})
+    assert ("stuck: recv#3 on rank 0 from rank 1, tag 7, on lane mpi:world (communicator "
+            "world, issued, 2.0 s)\n  rank 1 has not posted its send with tag 7; it is blocked "
+            "waiting for recv#3 on mpi:world (issued, 2.0 s)") in text, text
+    assert "stuck: recv#3 on rank 1 from rank 0, tag 9" in text
+    assert "a cycle: rank 0 -> rank 1 -> rank 0" in text
+    assert "nothing is stuck" not in text
+
+
+def test_a_collective_and_a_receive_waiting_on_each_other_are_a_cycle():
+    """Rank 0 blocks in an allreduce that rank 1 has not issued; rank 1 blocks in a receive
+    from rank 0, which sends only after the allreduce."""
+    coll = _op("allreduce", 4, 2, "mpi:world")
+    recv = _op("recv", 4, 0, "gloo:world", peer=0, tag=1)
+    text = explain({0: _dump(0, [_lane("mpi:world", [0, 1], 2, [coll])], [coll]),
+                    1: _dump(1, [_lane("mpi:world", [0, 1], 1),
+                                 _lane("gloo:world", [0, 1], 0, [recv])], [recv])})
+    assert "stuck: allreduce#4 at position 2 of lane mpi:world" in text
+    assert "not arrived: rank 1 (it submitted 1 operation(s) on this lane); it is blocked " \
+           "waiting for recv#4 on gloo:world" in text, text
+    assert "rank 0 has not posted its send with tag 1; it is blocked waiting for " \
+           "allreduce#4 on mpi:world" in text, text
+    assert "a cycle: rank 0 -> rank 1 -> rank 0" in text
+
+
+def test_a_message_both_sides_posted_is_in_the_backend_and_no_cycle():
+    send = _op("send", 2, 0, "mpi:world", peer=1, tag=5)
+    recv = _op("recv", 2, 0, "mpi:world", peer=0, tag=5)
+    text = explain({0: _dump(0, [_lane("mpi:world", [0, 1], 1, [send])], [send]),
+                    1: _dump(1, [_lane("mpi:world", [0, 1], 1, [recv])], [recv])})
+    assert "rank 1 posted its receive: both sides are in the backend" in text, text
+    assert "rank 0 posted its send: both sides are in the backend" in text, text
+    assert "cycle" not in text
 
 
 def test_nothing_stuck():

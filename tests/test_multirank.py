@@ -300,16 +300,18 @@ def test_logging_leaves_the_overlap_unchanged():
     assert len(lines) == 2 and all("mpi_done=True gloo_done=True" in line for line in lines), lines
 
 
-def _stuck(tmp_path, mode: str, n: int) -> tuple[str, dict]:
+def _stuck(tmp_path, mode: str, n: int, signal: bool = True) -> tuple[str, dict]:
     """Run tests/ranks/stuck.py ``mode`` on ``n`` ranks, dump every rank's flight
-    recorder by SIGUSR2 while they are stuck, and return ``trace explain``'s report (with
-    the ages of operations, which vary, written ``…``) and the dumps it read."""
+    recorder by SIGUSR2 while they are stuck (else only as the ranks fail: a timeout of 3 s),
+    and return ``trace explain``'s report (with the ages of operations, which vary, written
+    ``…``) and the dumps it read."""
     import time
 
     from mcrdl.observe import load_dumps
     from tests.launch import mpiexec
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MCRDL_TIMEOUT="8",
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+               MCRDL_TIMEOUT="8" if signal else "3",
                MCRDL_RESULT_DIR=str(tmp_path),
                MCRDL_FLIGHT_RECORDER=str(tmp_path / "fr-{rank}.json"))
     script = "tests/ranks/stuck.py"
@@ -321,7 +323,9 @@ def _stuck(tmp_path, mode: str, n: int) -> tuple[str, dict]:
         while len(list(tmp_path.glob("stuck*"))) < n and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(1.0)  # into their waits
-        subprocess.run(["pkill", "-USR2", "-f", f"^{sys.executable} {script}"], check=False)
+        if signal:
+            subprocess.run(["pkill", "-USR2", "-f", f"^{sys.executable} {script}"],
+                           check=False)
         out, _ = proc.communicate(timeout=90)
     finally:
         proc.kill()
@@ -330,7 +334,7 @@ def _stuck(tmp_path, mode: str, n: int) -> tuple[str, dict]:
     report = subprocess.run([sys.executable, "-m", "mcrdl", "trace", "explain", *dumps],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert report.returncode == 0, report.stderr
-    return re.sub(r"\(issued, \d+\.\d s\)", "(issued, … s)", report.stdout), load_dumps(dumps)
+    return re.sub(r"issued, \d+\.\d s\)", "issued, … s)", report.stdout), load_dumps(dumps)
 
 
 def _positions(dumps: dict) -> dict:
@@ -344,7 +348,7 @@ def _positions(dumps: dict) -> dict:
 
 
 _CYCLE = ("a cycle: rank 0 -> rank 1 -> rank 0: each waits for an operation the next has not"
-          " issued (blocking waits on communicators used in different orders)")
+          " issued (blocking waits in orders that differ between the ranks)")
 
 
 def test_explain_names_the_collective_a_rank_skipped_and_what_it_waits_on(tmp_path):
@@ -405,6 +409,65 @@ def test_explain_finds_a_cycle_of_blocking_waits_across_communicators(tmp_path):
         "  issued by ranks [1]",
         "  not arrived: rank 0 (it submitted 0 operation(s) on this lane); it is blocked"
         " waiting for allreduce#2 on mpi:world.1c0 (issued, … s)",
+        "",
+        _CYCLE,
+        "",
+    ]), report
+
+
+def _reasons(tmp_path) -> dict[int, str]:
+    """Each rank's dump reasons, in order."""
+    import json
+
+    return {int(p.stem.split("-")[1]): [json.loads(line)["reason"]
+                                        for line in p.read_text().splitlines()]
+            for p in tmp_path.glob("fr-*.json")}
+
+
+def test_receives_head_to_head_dump_on_both_ranks_and_explain_names_peers_and_tags(tmp_path):
+    """Each rank receives before it sends. Rank 0 times out (its dump); rank 1, whose
+    timeout is 60 s, learns of the break from rank 0's notice and dumps too, before its
+    receive fails: the report names both receives with their peer and tag, the sends not
+    posted, and the cycle."""
+    report, dumps = _stuck(tmp_path, "recv", 2, signal=False)
+    reasons = _reasons(tmp_path)
+    assert reasons[0][0].startswith("1 operation(s) timed out: "), reasons
+    assert reasons[1][0].startswith("communicator world broken by rank 0: "), reasons
+    assert report == "\n".join([
+        "dumps of ranks [0, 1] (world of 2)",
+        "",
+        "stuck: recv#4 on rank 0 from rank 1, tag 7, on lane mpi:world (communicator world,"
+        " issued, … s)",
+        "  rank 1 has not posted its send with tag 7; it is blocked waiting for recv#4 on"
+        " mpi:world (issued, … s)",
+        "",
+        "stuck: recv#4 on rank 1 from rank 0, tag 9, on lane mpi:world (communicator world,"
+        " issued, … s)",
+        "  rank 0 has not posted its send with tag 9; it is blocked waiting for recv#4 on"
+        " mpi:world (issued, … s)",
+        "",
+        _CYCLE,
+        "",
+    ]), report
+
+
+def test_a_collective_one_rank_blocks_in_and_a_receive_the_other_blocks_in_are_a_cycle(
+        tmp_path):
+    report, dumps = _stuck(tmp_path, "collrecv", 2, signal=False)
+    assert _reasons(tmp_path)[1][0].startswith("communicator world broken by rank 0: ")
+    assert report == "\n".join([
+        "dumps of ranks [0, 1] (world of 2)",
+        "",
+        "stuck: allreduce#4 at position 3 of lane mpi:world (communicator world, members"
+        " [0, 1])",
+        "  issued by ranks [0]",
+        "  not arrived: rank 1 (it submitted 2 operation(s) on this lane); it is blocked"
+        " waiting for recv#4 on gloo:world (issued, … s)",
+        "",
+        "stuck: recv#4 on rank 1 from rank 0, tag 1, on lane gloo:world (communicator world,"
+        " issued, … s)",
+        "  rank 0 has not posted its send with tag 1; it is blocked waiting for allreduce#4"
+        " on mpi:world (issued, … s)",
         "",
         _CYCLE,
         "",

@@ -119,7 +119,7 @@ class SimOp:
     """
 
     __slots__ = ("kind", "gid", "backend", "index", "signature", "members", "args", "ready_at",
-                 "executed", "seqs", "heads", "on_streams")
+                 "executed", "seqs", "heads", "on_streams", "tag")
 
     def __init__(self, kind: str, gid: str, backend: str, index: int, signature: tuple[Any, ...],
                  members: tuple[int, ...]) -> None:
@@ -136,10 +136,34 @@ class SimOp:
         #: Stream semantics: the members whose operation has reached the head of its stream.
         self.heads: set[int] = set()
         self.on_streams = False
+        #: A message's tag (``members`` are then its sender and its receiver); None for a
+        #: collective.
+        self.tag: int | None = None
 
     def missing(self) -> list[int]:
         """World ranks that have not issued this operation yet."""
         return [m for m in self.members if m not in self.args]
+
+    def describe(self) -> str:
+        """What it is and, if unfinished, what it waits for: ``mpi:world allreduce #3:
+        ranks [2] have not issued it``, ``gloo:world message #1 from rank 0 to rank 2, tag
+        5: rank 2 has not posted its receive``."""
+        if self.tag is None:
+            head = f"{self.backend}:{self.gid} {self.kind} #{self.index}"
+            missing = self.missing()
+            why = (f"ranks {missing} have not issued it" if missing
+                   else "waits for earlier operations on a member's stream")
+        else:
+            src, dst = self.members
+            head = (f"{self.backend}:{self.gid} message #{self.index} from rank {src} to rank "
+                    f"{dst}, tag {self.tag}")
+            if src not in self.args:
+                why = f"rank {src} has not posted its send"
+            elif dst not in self.args:
+                why = f"rank {dst} has not posted its receive"
+            else:
+                why = "waits for earlier operations on a member's stream"
+        return f"{head}: {why}"
 
     def missing_heads(self) -> list[int]:
         """World ranks whose stream has not reached this operation yet (stream semantics)."""
@@ -323,5 +347,5 @@ class SimBackend(Backend):
 
     def describe_wait(self, request: Request) -> str | None:
         """Which peers the operation still waits for (the timeout message names them)."""
-        missing = request.op.missing()
-        return f"ranks {missing} have not issued it" if missing else None
+        op = request.op
+        return op.describe().split(": ", 1)[1] if op.missing() else None

@@ -158,6 +158,7 @@ class Breaks:
     _abort_reason: str | None
     _lock: threading.Lock
     timeout: float | None
+    on_heard: Callable[[CommState, str, int], Callable[[], None] | None] | None
 
     def _failed(self, fut: CommFuture, error: BaseException, state: int) -> None:
         """``fut`` (which was in ``state``) failed with ``error``: its dependants fail, and,
@@ -396,16 +397,22 @@ class Breaks:
                                                      f"{f.lane.backend_name}:{f.lane.comm_name}"
                                                      f" aborted: {reason}"))
         if self._told:
+            reports = []
             with self._lock:
                 while self._told:
                     name, cause, peer, stops = self._told.popleft()
                     comm = self._comms.get(name)
                     if comm is not None:
+                        if comm.broken is None and self.on_heard is not None:
+                            reports.append(self.on_heard(comm, cause, peer))
                         self._heard(comm, cause, peer, stops)
                     else:
                         self._told_early.setdefault(name, []).append((cause, peer, stops))
                 self._run_work()
             self._after_lock()
+            for report in reports:
+                if report is not None:
+                    report()
 
     if TYPE_CHECKING:  # the engine's other parts
         def _held(self) -> dict[CommFuture, None]: ...

@@ -95,7 +95,7 @@ class Engine(Places, Breaks, Events, Idling):
         "_track_list", "_n_polls", "_policy", "_closed_why", "_tracks", "_lanes", "_comms",
         "timeout", "_on_timeout", "_next_check", "_abort_reason", "_told", "_told_early",
         "on_break", "_n_failed", "_n_cancelled", "_n_dropped", "log_edges", "waiting",
-        "on_desync",
+        "on_fault", "on_heard",
     )
 
     def __init__(
@@ -168,8 +168,13 @@ class Engine(Places, Breaks, Events, Idling):
         #: Futures a thread or task waits for past its first polls (the flight recorder's
         #: "waiting on"); appended and removed by the drivers.
         self.waiting: list[CommFuture] = []
-        #: Called (after the lock) with an operation that failed with DesyncError.
-        self.on_desync: Callable[[CommFuture], None] | None = None
+        #: Called (after the lock) with an operation that failed with DesyncError (its
+        #: members disagree) or BackendError (its backend failed it): the flight recorder.
+        self.on_fault: Callable[[CommFuture], None] | None = None
+        #: Called under the lock with a communicator a peer broke, its cause and the peer,
+        #: before this rank fails anything for it (the flight recorder's view of what was
+        #: stuck); what it returns runs once the lock is released.
+        self.on_heard: Callable[[CommState, str, int], Callable[[], None] | None] | None = None
         #: torch.autograd.profiler where torch is loaded (set by the runtime): while torch's
         #: profiler runs, each operation is a range in its trace (`_profile`).
         self.torch_profiler: Any = None
@@ -464,8 +469,8 @@ class Engine(Places, Breaks, Events, Idling):
                 fut._state = FAILED
                 self._n_failed += 1
             fut._error = error
-            if self.on_desync is not None and isinstance(error, DesyncError):
-                self._due.append((self.on_desync, fut))
+            if self.on_fault is not None and isinstance(error, (DesyncError, BackendError)):
+                self._due.append((self.on_fault, fut))
             if zombie:  # its backend may still write the result: keep it with the rest
                 fut.hold = (fut.hold, fut._result)
             fut._result = None

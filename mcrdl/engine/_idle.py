@@ -328,12 +328,18 @@ class Idling:
             for names, futs in named.items():
                 names.fail([(f, DesyncError(names.why(f, timeout))) for f in futs])
             for fut in expired:
-                why = (fut.lane.backend.describe_wait(fut._request)
-                       or "the peers it needs have not all arrived")
+                why = fut.lane.backend.describe_wait(fut._request)
+                what = f"{fut.kind}#{fut.seq}"
+                if fut.stream is not None:  # a send or receive: its peer and tag
+                    peer, tag, sends = fut.stream
+                    what += f" {'to' if sends else 'from'} rank {peer}, tag {tag},"
+                    why = why or (f"rank {peer} has not posted the matching "
+                                  f"{'receive' if sends else 'send'}, or it has not arrived")
                 self._give_up(fut, CommTimeoutError(
-                    f"{fut.kind}#{fut.seq} on lane {fut.lane.backend_name}:{fut.lane.comm_name} "
+                    f"{what} on lane {fut.lane.backend_name}:{fut.lane.comm_name} "
                     f"(rank {fut.lane.rank} of {fut.lane.size}) did not finish within "
-                    f"{timeout:g} s of being issued; {why}"
+                    f"{timeout:g} s of being issued; "
+                    f"{why or 'the peers it needs have not all arrived'}"
                 ))
             self._run_work()
         self._after_lock()

@@ -261,7 +261,7 @@ class Communicator:
         return [*after, self._engine.submit(check_fut)]
 
     def _fingerprint(self, seq: int, kind: OpKind, backend: str | None, args: tuple[Any, ...],
-                     task: int = -1) -> np.ndarray:
+                     task: tuple[int, bool] = (0, False)) -> np.ndarray:
         """What every member must agree on about a collective, as `fingerprint` fields."""
         # Scatter's input exists on the root only, so its output describes it; alltoallv's
         # row counts differ per rank, so only its row shape.

@@ -31,7 +31,7 @@ from ..core._errors import (
     MCRDLError,
     RuntimeFinalizedError,
 )
-from ..engine import CommFuture, Engine, PollPolicy
+from ..engine import CommFuture, CommState, Engine, PollPolicy
 from ..engine._names import Names
 from ..engine._breaks import linger
 from ..observe._flight import flight_dump, flight_record
@@ -120,7 +120,8 @@ class Runtime:
         self.selector = selector or Selector(tuple(backends), table=self.tuning)
         if bootstrap is not None:
             bootstrap.on_peer_failure.append(self.engine.request_abort)
-        self.engine.on_desync = self._on_desync
+        self.engine.on_fault = self._on_fault
+        self.engine.on_heard = self._on_heard
         if "torch" in sys.modules:  # (every backend here loads it; a numpy-only world has none)
             import torch.autograd.profiler
 
@@ -359,8 +360,21 @@ class Runtime:
                   f"{', '.join(repr(f) for f in expired)}")
         return lambda: self.dump_flight_recorder(reason=reason, text=record, dump=dump)
 
-    def _on_desync(self, fut: CommFuture) -> None:
+    def _on_fault(self, fut: CommFuture) -> None:
         self.dump_flight_recorder(reason=f"{fut!r} failed: {fut._error}")
+
+    def _on_heard(self, comm: CommState, cause: str, peer: int) -> Callable[[], None] | None:
+        """The engine's hook when a peer broke ``comm`` (its lock held, nothing failed here
+        for it yet): where this rank has operations unfinished there, which the break is
+        about to fail, the flight recorder as it stands, written once the lock is released.
+        So every rank a break reaches dumps what it was waiting for; one with nothing there
+        (its own timeout failed it, and dumped, first) keeps its earlier dump the last."""
+        if not any(f.lane.comm is comm for f in self.engine.unfinished_locked()):
+            return None
+        record = flight_record(self.engine)
+        dump = flight_dump(self.engine, list(self.engine.waiting))
+        reason = f"communicator {comm.name} broken by rank {peer}: {cause}"
+        return lambda: self.dump_flight_recorder(reason=reason, text=record, dump=dump)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # A signal handler runs between bytecodes of the main thread, which may hold the

@@ -6,8 +6,11 @@ ends in ``.json``; the last dump of each rank counts). Peers match the collectiv
 by position, so on each lane the stuck collective is the earliest position some rank has
 unfinished; a member that submitted fewer operations there has not arrived. For each such
 member it says what that member waits on instead (the operation a thread of it is blocked
-in, else its oldest unfinished one), and it follows those waits to find a cycle between
-ranks (two communicators used in opposite orders with blocking waits).
+in, else its oldest unfinished one). A send or receive is matched by its peer and tag: for
+each unfinished one it says whether the peer posted its counterpart, and what the peer waits
+on if not. It follows those waits to find a cycle between ranks (two communicators used in
+opposite orders, two ranks that both receive first, a collective that one rank blocks in
+while another blocks in a receive from it).
 """
 
 from __future__ import annotations
@@ -81,15 +84,18 @@ def explain(dumps: dict[int, dict[str, Any]]) -> str:
                    if m not in per_rank or per_rank[m]["submitted"] < pos]
         finished = [m for m in members if m not in issued and m not in missing]
         stuck.append((key, members, per_rank, pos, issued, missing, finished))
+    messages = _messages(dumps)
     lines = [f"dumps of ranks {sorted(dumps)} (world of {next(iter(dumps.values()))['size']})"]
-    if not stuck:
-        lines.append("no collective is unfinished in these dumps: nothing is stuck on a lane")
+    if not stuck and not messages:
+        lines.append("no operation is unfinished in these dumps: nothing is stuck")
         return "\n".join(lines)
-    waits_for: dict[int, set[int]] = {}
-    stuck_ops: list[tuple[dict[str, Any], list[int]]] = []
+    # Who waits for whom: a rank blocked on a stuck operation waits for the ranks missing
+    # from it.
+    blocking: dict[int, list[tuple[dict[str, Any], list[int]]]] = {}
     for key, members, per_rank, pos, issued, missing, finished in stuck:
         op = next(iter(issued.values()))
-        stuck_ops.append((op, missing))
+        for rank in issued:
+            blocking.setdefault(rank, []).append((issued[rank], missing))
         lines.append(f"\nstuck: {op['op']}#{op['seq']} at position {pos} of lane {key}"
                      f" (communicator {op['comm']}, members {list(members)})")
         lines.append(f"  issued by ranks {sorted(issued)}"
@@ -100,18 +106,57 @@ def explain(dumps: dict[int, dict[str, Any]]) -> str:
         for m in missing:
             lines.append(f"  not arrived: rank {m} ({_submitted(per_rank, m)});"
                          f" {_instead(m, dumps)}")
-    # Who waits for whom: a rank blocked on a stuck operation waits for its missing ranks.
+    for rank, op, posted in messages:
+        peer = op["peer"]
+        side = "send" if op["op"] == "recv" else "receive"
+        lines.append(f"\nstuck: {op['op']}#{op['seq']} on rank {rank}"
+                     f" {'from' if op['op'] == 'recv' else 'to'} rank {peer}, tag {op['tag']},"
+                     f" on lane {op['lane']} (communicator {op['comm']},"
+                     f" {op['state'].lower()}, {op['age_s']:.1f} s)")
+        if posted is None:
+            lines.append(f"  rank {peer}: {_instead(peer, dumps)}")
+        elif posted:
+            lines.append(f"  rank {peer} posted its {side}: both sides are in the backend (a"
+                         f" slow or lost transfer, or a peer that stopped progressing)")
+        else:
+            lines.append(f"  rank {peer} has not posted its {side} with tag {op['tag']};"
+                         f" {_instead(peer, dumps)}")
+            blocking.setdefault(rank, []).append((op, [peer]))
+    waits_for: dict[int, set[int]] = {}
     for rank, doc in dumps.items():
         for op in doc["waiting_on"]:
-            for stuck_op, missing in stuck_ops:
+            for stuck_op, missing in blocking.get(rank, ()):
                 if (op["lane"], op["seq"]) == (stuck_op["lane"], stuck_op["seq"]):
                     waits_for.setdefault(rank, set()).update(m for m in missing if m != rank)
     cycle = _cycle(waits_for)
     if cycle:
         lines.append("\na cycle: " + " -> ".join(f"rank {r}" for r in cycle)
                      + f" -> rank {cycle[0]}: each waits for an operation the next has not"
-                     " issued (blocking waits on communicators used in different orders)")
+                     " issued (blocking waits in orders that differ between the ranks)")
     return "\n".join(lines)
+
+
+def _messages(dumps: dict[int, dict[str, Any]]
+              ) -> list[tuple[int, dict[str, Any], bool | None]]:
+    """Each unfinished send or receive (by rank), and whether its peer posted the
+    counterpart (a receive from, or a send to, this rank with its tag on its communicator):
+    None where the peer left no dump."""
+    found = []
+    for rank, doc in sorted(dumps.items()):
+        for lane in doc["lanes"]:
+            for op in lane["unfinished"]:
+                if op["op"] not in _P2P or "peer" not in op:
+                    continue
+                other = dumps.get(op["peer"])
+                posted = None
+                if other is not None:
+                    want = "recv" if op["op"] == "send" else "send"
+                    posted = any(o["op"] == want and o.get("peer") == rank
+                                 and o.get("tag") == op["tag"] and o["comm"] == op["comm"]
+                                 for peer_lane in other["lanes"]
+                                 for o in peer_lane["unfinished"])
+                found.append((rank, op, posted))
+    return found
 
 
 def _submitted(per_rank: dict[int, dict[str, Any]], rank: int) -> str:

@@ -45,18 +45,31 @@ def flight_record(engine: Engine, now: float | None = None) -> str:
             lines.append(_line(rec, now))
         for f in live:
             rec = OpRecord(f.kind, f.seq, STATE_NAMES[f._state], f.nbytes, f.t_submit,
-                           f.t_issue, 0.0, "")
+                           f.t_issue, 0.0, _peer_text(f))
             lines.append(_line(rec, now))
     for names in engine.agreements():
         lines.extend(names.waiting(now))
     return "\n".join(lines)
 
 
+def _peer_text(f: CommFuture) -> str:
+    """``to rank 2 tag 5`` for a send (world ranks), ``from rank 2 tag 5`` for a receive,
+    empty for a collective."""
+    if f.stream is None:
+        return ""
+    peer, tag, sends = f.stream
+    return f"{'to' if sends else 'from'} rank {f.lane.comm.members[peer]} tag {tag}"
+
+
 def _op(f: CommFuture, now: float) -> dict[str, Any]:
-    return {"op": f.kind, "seq": f.seq, "state": STATE_NAMES[f._state],
-            "index": getattr(f, "index", None), "name": f.name, "bytes": f.nbytes,
-            "issued": bool(f.t_issue), "age_s": round(now - f.t_submit, 6),
-            "lane": f.lane.key, "comm": f.lane.comm_name}
+    """An operation in a dump; a send or receive with its peer (a world rank) and tag."""
+    op = {"op": f.kind, "seq": f.seq, "state": STATE_NAMES[f._state],
+          "index": getattr(f, "index", None), "name": f.name, "bytes": f.nbytes,
+          "issued": bool(f.t_issue), "age_s": round(now - f.t_submit, 6),
+          "lane": f.lane.key, "comm": f.lane.comm_name}
+    if f.stream is not None:
+        op["peer"], op["tag"] = f.lane.comm.members[f.stream[0]], f.stream[1]
+    return op
 
 
 def flight_dump(engine: Engine, waiting: list[CommFuture], now: float | None = None) -> dict[str, Any]:

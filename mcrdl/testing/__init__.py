@@ -8,23 +8,25 @@
   `check_program` runs one in a simulated world and compares every rank's buffers with the
   sequential `reference`; `run_program` runs one on real communicators, and `check_slots`
   judges a rank's result there.
+- `check_step`: a program's own step (a function, or an ``async def`` with its tasks), run
+  as it is on simulated ranks of several sizes, under many seeds and backend semantics;
+  `StepFailed` names the first run that deadlocked, mismatched or raised.
 - `record` / `replay`: capture what a rank submits in a real step, and replay it in the
   simulated world under many timings and backend assignments.
 
 Example::
 
-    from hypothesis import given
-    from mcrdl.testing import check_program, programs
+    from mcrdl.testing import check_step
 
-    @given(programs(backends=("mpi", "gloo")))
-    def test_my_runtime_never_deadlocks(program):
-        check_program(program)
+    def test_my_step_never_deadlocks():
+        check_step(my_step, sizes=(2, 4), seeds=range(20), semantics=("mpi", "nccl"))
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ._check import SEMANTICS, StepFailed, check_step
 from ._device import SimArray, SimDevice
 from ._generate import programs
 from ._programs import DONE, FAULTS, KINDS, Fault, Program, Region, Step, run_program
@@ -32,10 +34,10 @@ from ._record import Recording, record, replay
 from ._reference import reference, reference_with_faults
 from ._world import SimAborted, SimDeadlock, SimMismatch, SimWorld
 
-__all__ = ["FAULTS", "FAULT_ERRORS", "KINDS", "Fault", "Program", "Recording", "Region",
-           "SimArray", "SimDevice",
-           "SimAborted", "SimDeadlock", "SimMismatch", "SimWorld", "Step", "check_program",
-           "check_outcomes", "check_slots", "programs", "record", "reference", "reference_with_faults", "replay",
+__all__ = ["FAULTS", "FAULT_ERRORS", "KINDS", "SEMANTICS", "Fault", "Program", "Recording",
+           "Region", "SimAborted", "SimArray", "SimDeadlock", "SimDevice", "SimMismatch",
+           "SimWorld", "Step", "StepFailed", "check_outcomes", "check_program", "check_slots",
+           "check_step", "programs", "record", "reference", "reference_with_faults", "replay",
            "run_program"]
 
 #: How a step may end under injected faults: the fault itself (cancelled, its start or its

@@ -403,10 +403,7 @@ class SimWorld:
         stuck = [op for op in self._pending if not op.executed]
         if stuck:
             lines.append("operations not finished:")
-            for op in stuck:
-                why = (f"ranks {op.missing()} have not issued it" if op.missing()
-                       else "waits for earlier operations on a member's stream")
-                lines.append(f"  {op.backend}:{op.gid} {op.kind} #{op.index}: {why}")
+            lines.extend(f"  {op.describe()}" for op in stuck)
         return "\n".join(lines)
 
     # -- faults ---------------------------------------------------------------------------
@@ -474,6 +471,7 @@ class SimWorld:
         if index == len(ops):
             op = SimOp("p2p", group.gid, backend.name, index,
                        ("p2p", buf.dtype.value, buf.nbytes), (src, dst))
+            op.tag = tag
             ops.append(op)
             self._pending.append(op)
         op = ops[index]
@@ -522,6 +520,10 @@ class SimWorld:
             self.progress += 1
         if self.step < op.ready_at:
             return False
+        unfit = _unfit(op)
+        if unfit is not None:  # (what a real backend would fail on, or abort the process)
+            self.mismatch = unfit
+            return False
         _execute(op)
         op.executed = True
         self._pending.remove(op)
@@ -540,6 +542,22 @@ def _unblocked(caps: Any) -> Any:
 
 def _np(buf: Any) -> np.ndarray:
     return np.asarray(buf.numpy()).reshape(-1)
+
+
+def _unfit(op: SimOp) -> str | None:
+    """Why the members' buffers of ``op`` do not fit one another, if they do not: an
+    alltoallv whose sender sends a member other counts than that member expects."""
+    if op.kind != "alltoallv":
+        return None
+    members, args = op.members, op.args
+    for i, src in enumerate(members):
+        for j, dst in enumerate(members):
+            sent, expected = args[src][1][j], args[dst][3][i]
+            if sent != expected:
+                return (f"{op.backend}:{op.gid} alltoallv #{op.index}: rank {src} sends "
+                        f"{sent} rows to rank {dst}, which expects {expected} from it "
+                        f"(recv_counts); members must agree on every count")
+    return None
 
 
 def _execute(op: SimOp) -> None:

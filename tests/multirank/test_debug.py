@@ -51,17 +51,21 @@ def test_mismatched_sizes_raise_desync_before_gloo_could_abort(comm):
     comm.barrier().wait()
 
 
-def _two_tasks(comm, a_first_on):
-    """Tasks A (1s) and B (100s) each allreduce 4 floats; A submits first on the ranks in
-    ``a_first_on``, B on the others. Returns both outcomes."""
-    async def task(value, first):
+def _two_tasks(comm, a_first_on, names=(None, None), sizes=(4, 4), helpers=0):
+    """Tasks A (1s) and B (100s) each allreduce ``sizes`` floats; A submits first on the
+    ranks in ``a_first_on``, B on the others. The tasks have ``names`` (None: asyncio names
+    them "Task-N"); each rank first creates ``helpers`` times its rank helper tasks, which
+    shifts asyncio's numbers between ranks. Returns both outcomes."""
+    async def task(value, size, first):
         if not first:
             await asyncio.sleep(0.05)
-        return await comm.allreduce(torch.full((4,), value), backend="mpi")
+        return await comm.allreduce(torch.full((size,), value), backend="mpi")
 
     async def main():
-        a = asyncio.create_task(task(1.0, comm.rank in a_first_on))
-        b = asyncio.create_task(task(100.0, comm.rank not in a_first_on))
+        await asyncio.gather(*(asyncio.sleep(0) for _ in range(helpers * comm.rank)))
+        a = asyncio.create_task(task(1.0, sizes[0], comm.rank in a_first_on), name=names[0])
+        b = asyncio.create_task(task(100.0, sizes[1], comm.rank not in a_first_on),
+                                name=names[1])
         return await asyncio.gather(a, b, return_exceptions=True)
 
     return asyncio.run(main())
@@ -72,12 +76,31 @@ def test_collectives_of_two_tasks_in_one_order_everywhere_pass_the_check(comm):
     assert a.tolist() == [comm.size] * 4 and b.tolist() == [100.0 * comm.size] * 4
 
 
-def test_collectives_of_two_tasks_swapped_between_ranks_raise_desync_everywhere(comm):
-    """Rule 8: rank 0's task A submits first, the other ranks' task B. Without the task in
-    the fingerprint, A's allreduce met B's (equal shapes) and every result was 101.0."""
-    for outcome in _two_tasks(comm, {0}):
+def test_ranks_that_created_different_numbers_of_tasks_pass_the_check(comm):
+    """asyncio numbers unnamed tasks in creation order: rank r made 3r helpers first, so
+    the same task is "Task-5" on one rank and "Task-8" on another. Debug mode must not
+    compare those numbers (it raised DesyncError on this correct program)."""
+    a, b = _two_tasks(comm, range(comm.size), helpers=3)
+    assert a.tolist() == [comm.size] * 4 and b.tolist() == [100.0 * comm.size] * 4
+
+
+def test_collectives_of_two_named_tasks_swapped_between_ranks_raise_desync_everywhere(comm):
+    """Rule 8: rank 0's task A submits first, the other ranks' task B. Without the task's
+    name in the fingerprint, A's allreduce met B's (equal shapes) and every result was
+    101.0; the message names the tasks and suggests name=."""
+    for outcome in _two_tasks(comm, {0}, names=("A", "B")):
         assert isinstance(outcome, mcrdl.DesyncError), outcome
-        assert "from Task-" in str(outcome)
+        text = str(outcome)
+        assert "from task 'A'" in text and "from task 'B'" in text, text
+        assert "pass name= to each" in text, text
+    comm.barrier().wait()
+
+
+def test_unnamed_tasks_whose_collectives_swap_and_differ_get_desync_suggesting_name(comm):
+    for outcome in _two_tasks(comm, {0}, sizes=(4, 5)):
+        assert isinstance(outcome, mcrdl.DesyncError), outcome
+        text = str(outcome)
+        assert "from an unnamed task" in text and "pass name= to each" in text, text
     comm.barrier().wait()
 
 

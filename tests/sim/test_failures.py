@@ -85,6 +85,24 @@ def test_timeout_names_the_operation_and_the_peers_that_did_not_arrive():
         assert "did not finish within 0.5 s of being issued; ranks [2] have not issued it" in m
 
 
+def test_a_receive_that_times_out_names_its_peer_tag_and_the_send_not_posted():
+    world = SimWorld(2, SEMS, seed=0, timeout=0.5)
+
+    def program(comm):
+        peer = 1 - comm.rank
+        with pytest.raises((mcrdl.CommTimeoutError, mcrdl.CommBrokenError)) as info:
+            comm.recv(np.empty(2), peer, tag=7 + comm.rank, backend="mpi").wait()
+        return str(info.value)
+
+    messages = world.run(program)
+    assert any(
+        m.startswith("recv#1 from rank 1, tag 7, on lane mpi:world (rank 0 of 2) did not "
+                     "finish within 0.5 s of being issued; rank 1 has not posted its send")
+        or m.startswith("recv#1 from rank 0, tag 8, on lane mpi:world (rank 1 of 2) did not "
+                        "finish within 0.5 s of being issued; rank 0 has not posted its send")
+        for m in messages), messages
+
+
 def test_cancelling_a_pending_collective_breaks_its_communicator_on_every_member():
     """Rank 1 cancels a collective its peer issues: rank 0 must not match the next one in its
     place. Every unfinished and later operation on the communicator fails, on both ranks,

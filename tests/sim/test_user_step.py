@@ -1,0 +1,123 @@
+"""A user's own step checked as it is (``mcrdl.testing.check_step``): the pipeline step of
+``examples/pipeline_step.py`` (asyncio micro-batch tasks, sends and receives between stages,
+a named alltoallv on gloo, allreduces on MPI and on the world) passes at 2 and 4 ranks under
+MPI-like and NCCL-like semantics, and each of its three bugs is found, named by size,
+semantics and seed, with what the ranks wait for."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mcrdl
+from mcrdl.testing import SEMANTICS, SimDeadlock, SimMismatch, SimWorld, StepFailed, check_step
+
+_PATH = Path(__file__).resolve().parents[2] / "examples" / "pipeline_step.py"
+_spec = importlib.util.spec_from_file_location("pipeline_step", _PATH)
+example = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+sys.modules["pipeline_step"] = example
+_spec.loader.exec_module(example)  # type: ignore[union-attr]
+
+SEEDS = range(6)
+
+
+@pytest.mark.timeout(240)
+def test_the_pipeline_step_passes_at_2_and_4_ranks_under_mpi_and_nccl_semantics():
+    check_step(example.step, sizes=(2, 4), seeds=SEEDS, semantics=("mpi", "nccl"),
+               check=example.check_results)
+
+
+def _failure(bug: str) -> StepFailed:
+    with pytest.raises(StepFailed) as info:
+        check_step(lambda comm: example.step(comm, bug), sizes=(2, 4), seeds=SEEDS,
+                   semantics=("mpi", "nccl"), check=example.check_results)
+    return info.value
+
+
+@pytest.mark.timeout(240)
+def test_receiving_before_sending_on_both_stages_is_a_deadlock_naming_the_messages():
+    failed = _failure("recv-first")
+    assert (failed.size, failed.semantics, failed.seed) == (2, "mpi", 0)
+    assert isinstance(failed.error, SimDeadlock)
+    report = str(failed.error)
+    # Each message says which ranks, which tag, and which side is missing.
+    assert ("message #0 from rank 0 to rank 1, tag 0: rank 0 has not posted its send"
+            in report), report
+    assert ("message #0 from rank 1 to rank 0, tag 100: rank 1 has not posted its send"
+            in report), report
+    assert str(failed).startswith("the step failed on 2 simulated ranks, 'mpi' semantics, "
+                                  "seed 0: SimDeadlock: ")
+
+
+@pytest.mark.timeout(240)
+def test_a_stage_that_skips_a_world_collective_is_a_deadlock_naming_it():
+    failed = _failure("skip")
+    assert (failed.size, failed.semantics, failed.seed) == (2, "mpi", 0)
+    assert isinstance(failed.error, SimDeadlock)
+    assert "allreduce #" in str(failed.error) and "ranks [1] have not issued it" in str(
+        failed.error)
+
+
+@pytest.mark.timeout(240)
+def test_micro_batch_collectives_without_names_are_found_swapped():
+    """Unnamed, the micro-batches' collectives reach the communicators in the order their
+    receives complete, which differs between ranks: a mismatch of shapes, never a hang."""
+    failed = _failure("unnamed")
+    assert isinstance(failed.error, SimMismatch), failed
+
+
+def test_a_seed_replays_the_failure_exactly():
+    """``StepFailed`` names what replays it: the same world gives the same report."""
+    failed = _failure("skip")
+    reports = []
+    for _ in range(2):
+        world = SimWorld(failed.size, SEMANTICS[failed.semantics], seed=failed.seed)
+        with pytest.raises(SimDeadlock) as info:
+            world.run(lambda comm: __import__("asyncio").run(example.step(comm, "skip")))
+        reports.append(str(info.value))
+    assert reports[0] == reports[1] == str(failed.error)
+
+
+def test_alltoallv_counts_that_do_not_fit_are_a_mismatch_not_a_raw_error():
+    """Members that disagree on an alltoallv's counts: the simulated world reports a
+    SimMismatch naming the ranks and counts (a real gloo aborts the process there)."""
+    def step(comm):
+        send = [2, 2] if comm.rank == 0 else [1, 1]
+        recv = [2, 2]  # rank 1 sends 1 row to rank 0, which expects 2
+        out = np.empty(sum(recv))
+        comm.alltoallv(np.ones(sum(send)), send, out=out, recv_counts=recv,
+                       backend="gloo").wait()
+
+    with pytest.raises(SimMismatch, match=(
+            r"^gloo:world alltoallv #0: rank 1 sends 1 rows to rank 0, which expects 2 from "
+            r"it \(recv_counts\); members must agree on every count$")):
+        SimWorld(2, SEMANTICS["mpi"]).run(step)
+
+
+def test_an_unknown_semantics_is_refused():
+    with pytest.raises(ValueError, match=r"^semantics \['mpl'\] unknown; choose among "
+                                         r"\['blocking', 'mpi', 'nccl'\]$"):
+        check_step(lambda comm: None, semantics=("mpl",))
+
+
+@pytest.mark.timeout(240)
+def test_the_pipeline_step_passes_in_debug_mode():
+    """The ranks share one process, so asyncio numbers their tasks apart ("Task-8" on one
+    rank, "Task-11" on the next): debug mode must not compare those numbers (it raised
+    DesyncError on every asyncio step here)."""
+    check_step(example.step, sizes=(2, 4), seeds=range(3), semantics=("mpi",),
+               check=example.check_results, debug=True)
+
+
+@pytest.mark.timeout(240)
+def test_unnamed_micro_batch_collectives_in_debug_mode_are_a_desync_suggesting_name():
+    with pytest.raises(StepFailed) as info:
+        check_step(lambda comm: example.step(comm, "unnamed"), sizes=(2, 4), seeds=SEEDS,
+                   semantics=("mpi",), debug=True)
+    error = info.value.error
+    assert isinstance(error, mcrdl.DesyncError), error
+    assert "from an unnamed task" in str(error) and "pass name= to each" in str(error)
