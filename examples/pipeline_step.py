@@ -5,6 +5,12 @@ Run it for real on 2 or 4 ranks, or check it (and its three bugs) in one process
     mpiexec -n 4 python examples/pipeline_step.py
     python examples/pipeline_step.py --check               # the step, then each bug
 
+or record what each rank did in a real run (saved even when the step fails), and replay the
+recordings in the simulated world under many timings:
+
+    mpiexec -n 4 python examples/pipeline_step.py --record step-{rank}.json [--bug skip]
+    python examples/pipeline_step.py --replay step-*.json
+
 The ranks form two pipeline stages of ``size / 2`` data-parallel replicas each: stage 0 is
 ranks ``0 .. size/2-1``, stage 1 the rest, and replica ``r`` of stage 0 feeds replica ``r``
 of stage 1. A step runs ``MICRO`` micro-batches, each an asyncio task:
@@ -35,7 +41,7 @@ import sys
 import numpy as np
 
 import mcrdl
-from mcrdl.testing import StepFailed, check_step
+from mcrdl.testing import Recording, StepFailed, check_step, record, replay_ranks
 
 MICRO = 3
 BUGS = ("recv-first", "skip", "unnamed")
@@ -123,7 +129,18 @@ def main() -> None:
     parser.add_argument("--check", action="store_true",
                         help="check the step and each bug in the simulated world")
     parser.add_argument("--bug", choices=BUGS, help="run this bug for real")
+    parser.add_argument("--record", metavar="PATH",
+                        help="record each rank's operations to PATH ({rank}: the rank)")
+    parser.add_argument("--replay", nargs="+", metavar="FILE",
+                        help="replay every rank's recording in the simulated world")
     args = parser.parse_args()
+    if args.replay:
+        try:
+            replay_ranks([Recording.load(path) for path in args.replay], seeds=range(20))
+        except StepFailed as failed:
+            sys.exit(f"the recorded step failed in the simulated world:\n{failed}")
+        print("the recorded step passes: 'mpi' and 'nccl' semantics, 20 seeds each")
+        return
     if args.check:
         check_step(step, seeds=range(8), check=check_results)
         print("the step passes: 2 and 4 ranks, 'mpi' and 'nccl' semantics, 8 seeds each")
@@ -140,7 +157,11 @@ def main() -> None:
     with mcrdl.init() as comm:
         if comm.size % 2:
             sys.exit("run on an even number of ranks")
-        got = asyncio.run(step(comm, args.bug))
+        if args.record:
+            with record(comm, args.record):
+                got = asyncio.run(step(comm, args.bug))
+        else:
+            got = asyncio.run(step(comm, args.bug))
         want = reference(comm.size)[comm.rank]
         print(f"rank {comm.rank}: losses {got} ({'right' if got == want else 'WRONG'})")
 

@@ -117,6 +117,44 @@ def test_torch_distributed_backend(n):
     run_suite(n, "tests/multirank/test_torch_backend.py")
 
 
+def _replay_example(tmp_path) -> subprocess.CompletedProcess[str]:
+    paths = sorted(str(p) for p in tmp_path.glob("step-*.json"))
+    return subprocess.run([sys.executable, "examples/pipeline_step.py", "--replay", *paths],
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_pipeline_example_trains_and_its_recordings_replay(n, tmp_path):
+    """examples/pipeline_step.py on real ranks, each recording what it submitted and waited
+    for: every rank's losses are right, and the recordings replay on their ranks in the
+    simulated world under both semantics."""
+    proc = run_ranks(n, ["examples/pipeline_step.py", "--record",
+                         str(tmp_path / "step-{rank}.json")], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert proc.stdout.count("(right)") == n, proc.stdout[-4000:]
+    replayed = _replay_example(tmp_path)
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    assert "the recorded step passes" in replayed.stdout
+
+
+def test_a_real_step_that_skips_a_collective_is_recorded_and_replays_into_its_deadlock(
+        tmp_path):
+    """Stage 1 skips the world allreduce: the real run times out, each rank's recording is
+    saved all the same, and the replay names the allreduce and the rank that lacks it."""
+    proc = run_ranks(2, ["examples/pipeline_step.py", "--bug", "skip", "--record",
+                         str(tmp_path / "step-{rank}.json")], timeout=120,
+                     env={"MCRDL_TIMEOUT": "3"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "CommTimeoutError" in out, out[-4000:]
+    assert "unmatched message" not in out, out[-4000:]
+    replayed = _replay_example(tmp_path)
+    assert replayed.returncode != 0
+    assert "SimDeadlock" in replayed.stderr, replayed.stderr
+    assert re.search(r"mpi:world allreduce #\d+: ranks \[1\] have not issued it",
+                     replayed.stderr), replayed.stderr
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_examples_train_like_one_process(n):
     # At 4 ranks (oversubscribed) every backend and DDP, with overlap only.
@@ -472,3 +510,29 @@ def test_a_collective_one_rank_blocks_in_and_a_receive_the_other_blocks_in_are_a
         _CYCLE,
         "",
     ]), report
+
+
+def test_a_gloo_collective_times_out_by_the_runtime_first_with_its_dump(tmp_path):
+    """gloo has a deadline of its own: equal to the runtime's timeout, it fired first (a
+    BackendError "Timed out waiting", no dump, no break told to the peers)."""
+    report, dumps = _stuck(tmp_path, "gloo", 2, signal=False)
+    reasons = _reasons(tmp_path)
+    assert reasons[0][0].startswith("1 operation(s) timed out: <CommFuture allreduce#"), reasons
+    assert reasons[1][0].startswith("communicator world broken by rank 0: "), reasons
+    assert "stuck: allreduce#4 at position 2 of lane gloo:world" in report, report
+
+
+def test_messages_no_receive_matched_are_reported_at_close_and_at_exit():
+    """MPI refuses to free a communicator holding messages no receive matched: an explicit
+    close raises a BackendError saying so, and finalize at exit reports it in one line and
+    goes on (it raised mpi4py's error, then failed again on the invalidated handle)."""
+    proc = run_ranks(2, ["tests/ranks/unmatched.py"], timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert re.search(r"rank 1 close: closing communicator world\.1c0: MPI cannot free it \("
+                     r"Communicator \(handle=\w+\) being freed has 4 unmatched message\(s\)\): "
+                     r"messages sent to this rank on it were never received", out), out[-4000:]
+    assert re.search(r"mcrdl: closing communicator world\.2c0: MPI cannot free it", out), \
+        out[-4000:]
+    assert "mpi4py.MPI.Exception" not in out and "Invalid communicator" not in out, out[-4000:]
+    assert out.count(" done") == 2, out[-4000:]

@@ -81,6 +81,9 @@ class Capabilities:
         issue_window: how many of a lane's collectives may be in flight at once (0: no
             limit); the next one is issued when one finishes. Sends and receives are never
             held back or counted: a receive waiting for a send behind it would never end.
+        aborts_on_mismatch: whether members whose alltoallv counts do not fit one another
+            end the process (gloo: an exception in its own thread): the front then checks
+            the counts across the members before the data exchange starts.
     """
 
     ops: frozenset[OpKind]
@@ -97,6 +100,7 @@ class Capabilities:
     waits_in_threads: bool = False
     blocking_calls: bool = False
     issue_window: int = 0
+    aborts_on_mismatch: bool = False
 
     def can_reduce(self, op: ReduceOp, dtype: DType) -> bool:
         """Whether ``op`` on ``dtype`` is possible, natively or (AVG) as SUM then divide."""

@@ -59,6 +59,17 @@ _MOVE_AS = {DType.INT16: "float16", DType.UINT16: "float16", DType.UINT32: "int3
             DType.UINT64: "int64"}
 
 
+
+def deadline(timeout: float) -> float:
+    """gloo's own deadline for an operation, given the runtime's ``timeout``: later by half
+    of it and 2 s more. The runtime's timeout must fire first, as it does on every other
+    backend: it names the operation and the peers it lacks, dumps the flight recorder and
+    breaks the communicator on every member, where gloo's fails one Work with "Timed out
+    waiting". Its deadlines are checked every ``min(timeout / 8, 0.25)`` s by whoever
+    polls, and gloo's clock starts only once the operation is issued; with equal deadlines,
+    gloo's fired first."""
+    return timeout * 1.5 + 2.0
+
 class _GlooGroup:
     __slots__ = ("pg", "rank", "size")
 
@@ -175,6 +186,7 @@ class GlooBackend(Backend):
         self_progressing=True,
         blocking_wait=True,
         waits_in_threads=True,
+        aborts_on_mismatch=True,
     )
 
     @classmethod
@@ -198,7 +210,7 @@ class GlooBackend(Backend):
         self._PG = ProcessGroupGloo
         self._store = bootstrap.store()
         self._host = bootstrap.host
-        self._timeout = datetime.timedelta(seconds=bootstrap.timeout)
+        self._timeout = datetime.timedelta(seconds=deadline(bootstrap.timeout))
         self._waiters = _Waiters()
         self._move_as = {dt: getattr(torch, name) for dt, name in _MOVE_AS.items()}
         red = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.PROD: dist.ReduceOp.PRODUCT,

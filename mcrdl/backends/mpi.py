@@ -297,10 +297,24 @@ class MPIBackend(Backend):
             group.comm = group.seg_comm = None
 
     def free_group(self, group: _MPIGroup) -> None:
-        if group.comm is not None:
-            group.comm.Free()
-            group.seg_comm.Free()
-            group.comm = group.seg_comm = None
+        """Free ``group``'s communicators. MPI refuses to free one that holds messages no
+        receive matched (MPICH: "being freed has 4 unmatched message(s)"): it is then kept
+        until MPI_Finalize, as an abandoned one is, and the refusal is a BackendError that
+        says so (never a second attempt at exit on a handle MPI already invalidated)."""
+        if group.comm is None:
+            return
+        comm, seg_comm = group.comm, group.seg_comm
+        group.comm = group.seg_comm = None
+        try:
+            comm.Free()
+        except self._MPI.Exception as exc:
+            _KEPT.append((comm, seg_comm))
+            text = exc.Get_error_string().strip().splitlines()[-1]
+            raise BackendError(
+                f"MPI cannot free it ({text.split(': ', 1)[-1]}): messages sent to this rank "
+                f"on it were never received (a send without its receive); it is kept until "
+                f"MPI_Finalize") from None
+        seg_comm.Free()
 
     def close(self) -> None:
         self.free_group(self._world)

@@ -89,7 +89,7 @@ class Engine(Places, Breaks, Events, Idling):
     # Those every operation reads first: slots are laid out in this order, so the ones a
     # submission and a settle read share a few cache lines.
     __slots__ = (
-        "_lock", "_clock", "_observers", "torch_profiler", "_closed", "_unfinished",
+        "_lock", "_clock", "_observers", "wait_observer", "torch_profiler", "_closed", "_unfinished",
         "_hazards", "_zombies", "_work", "_due", "_to_tell", "_thread", "last_active",
         "_n_completed", "log", "drivers", "_burst", "idle_hook", "_deferred", "_gated",
         "_track_list", "_n_polls", "_policy", "_closed_why", "_tracks", "_lanes", "_comms",
@@ -119,6 +119,10 @@ class Engine(Places, Breaks, Events, Idling):
         self._due: list[tuple[Callable[[CommFuture], object], CommFuture]] = []
         self._work: deque[tuple[CommFuture, BaseException | None]] = deque()
         self._observers: list[Observer] = []
+        #: Called with each operation a thread or task starts to wait for (``wait()``,
+        #: ``await``), finished or not, before it waits: what a recording keeps of the
+        #: program's order (`mcrdl.testing.record`). None: nobody records.
+        self.wait_observer: Callable[[CommFuture], None] | None = None
         self._zombies: dict[CommFuture, None] = {}
         self._unfinished = 0
         self._closed = False
@@ -377,6 +381,9 @@ class Engine(Places, Breaks, Events, Idling):
                 lane.device.wait(stream, event)
         try:
             req = fut.start(*fut.args)  # type: ignore[misc]  # both set until issued
+        except DesyncError as exc:  # every member refuses it alike (the counts they agreed
+            self._work.append((fut, exc))  # on do not fit): they stay in step, unbroken
+            return
         except Exception as exc:  # a backend refusing at start fails the future, not the process
             err = StartError(f"{fut.kind}#{fut.seq} on {lane.backend_name} failed to "
                              f"start: {exc}")

@@ -265,9 +265,11 @@ class CommFuture:
             RuntimeFinalizedError: the runtime was finalized before the operation finished.
             Exception: whatever failed the operation.
         """
+        engine = self._engine
+        if engine.wait_observer is not None:
+            engine.wait_observer(self)
         if self._state < DONE:
             # Most small operations end in the first poll: the driver starts only after it.
-            engine = self._engine
             engine.poll(self)
             if self._state < DONE:
                 _wait(engine, self, timeout)
@@ -303,8 +305,10 @@ class CommFuture:
         # match it whatever this task does next. As in wait(), one poll first, but for an
         # operation not placed yet: a named one waits for its sibling tasks' first (they go
         # in one agreement round), and its round is posted by a poll.
+        engine = self._engine
+        if engine.wait_observer is not None:
+            engine.wait_observer(self)
         if self._state < DONE:
-            engine = self._engine
             if self._placement is None:
                 engine.poll(self)
             if self._state < DONE:

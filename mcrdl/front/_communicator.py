@@ -546,20 +546,21 @@ class Communicator:
                     f"size the members agree on (the tuning table splits alltoallv by size), "
                     f"which a named operation cannot wait for; pass recv_counts, or backend=..."
                 )
-            plan = Exchanged(self, b, send, tail, backend, router)
+            plan = Exchanged(self, b, send, tail, backend, router, given=recv)
             lanes = tuple({id(s.lane): s.lane for s, _ in router.choices}.values())
             return self._submit(OpKind.ALLTOALLV, router.choices[0][0], plan.start,
                                 (None, b, send, o, recv),  # the group, once routed
                                 b.ranges, writes, None, b.nbytes, [*after, plan.exchange],
                                 plan.finish, b.obj, (lanes, plan.choose), name=name)
         slot = choice[0]
-        if recv is not None and o is not None:
+        checked = slot.backend.capabilities.aborts_on_mismatch
+        if recv is not None and o is not None and not checked:
             return self._submit(OpKind.ALLTOALLV, slot, slot.backend.start_alltoallv,
                                 (slot.group, b, send, o, recv), b.ranges, writes, o.obj,
                                 b.nbytes, after, hold=b.obj, name=name)
         if name is not None:  # (before the exchange, which takes a name made from it)
             check_name(name)
-        plan = Exchanged(self, b, send, tail, backend, None, name)
+        plan = Exchanged(self, b, send, tail, backend, None, name, recv)
         plan.backend = slot.backend
         return self._submit(OpKind.ALLTOALLV, slot, plan.start, (slot.group, b, send, o, recv),
                             b.ranges, writes, None, b.nbytes, [*after, plan.exchange],

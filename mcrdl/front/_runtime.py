@@ -27,6 +27,7 @@ from ..bootstrap._launch import Bootstrap, finalize_mpi, mpi_up
 from ..bootstrap._notices import Notices
 from ..core._config import Config
 from ..core._errors import (
+    BackendError,
     BackendUnavailableError,
     MCRDLError,
     RuntimeFinalizedError,
@@ -329,11 +330,28 @@ class Runtime:
                     pass
         self._keep(comm)
         with self.engine.lock:
-            for slot in comm.slots():
-                slot.backend.free_group(slot.group)
+            refused = self._free_groups(comm)
         for state in {slot.lane.comm for slot in comm.slots()}:
             self.engine.forget(state)
         self._comms.remove(comm)
+        if refused:
+            raise refused[0]
+
+    @staticmethod
+    def _free_groups(comm: Communicator, world: bool = False) -> list[BackendError]:
+        """Free each backend's group of ``comm`` (the engine's lock held; for the ``world``
+        communicator, all but the backends' own world groups, which go with the backends);
+        a backend that refuses (MPI, with messages no receive matched) does not stop the
+        others: its refusals come back, naming the communicator."""
+        refused = []
+        for slot in comm.slots():
+            if world and slot.group is slot.backend.world():
+                continue
+            try:
+                slot.backend.free_group(slot.group)
+            except BackendError as exc:
+                refused.append(BackendError(f"closing communicator {comm.name}: {exc}"))
+        return refused
 
     def _keep(self, comm: Communicator) -> None:
         """Before ``comm``'s groups go: let each backend keep those that peers may still be
@@ -449,13 +467,17 @@ class Runtime:
             self._keep(comm)
         engine.close("finalize() was called")
         with engine.lock:
+            refused = []
             for comm in list(self._comms):
                 comm._mark_closed()
-                for slot in comm.slots():
-                    if comm is not self.world or slot.group is not slot.backend.world():
-                        slot.backend.free_group(slot.group)
+                refused += self._free_groups(comm, world=comm is self.world)
             for backend in self._backends.values():
-                backend.close()
+                try:
+                    backend.close()
+                except BackendError as exc:
+                    refused.append(BackendError(f"closing communicator world: {exc}"))
+        for error in refused:  # reported, and finalize goes on: MPI_Finalize still has to run
+            sys.stderr.write(f"mcrdl: {error}\n")
         if self.bootstrap is not None:
             self.bootstrap.close()
         with _live_lock:

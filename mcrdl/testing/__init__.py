@@ -11,8 +11,10 @@
 - `check_step`: a program's own step (a function, or an ``async def`` with its tasks), run
   as it is on simulated ranks of several sizes, under many seeds and backend semantics;
   `StepFailed` names the first run that deadlocked, mismatched or raised.
-- `record` / `replay`: capture what a rank submits in a real step, and replay it in the
-  simulated world under many timings and backend assignments.
+- `record` / `replay_ranks`: capture what each rank submits and waits for in a real step
+  (a step that hung too), and replay every rank's recording on its rank in the simulated
+  world under many timings; `replay`: one rank's recording, SPMD on any number of ranks,
+  under many backend assignments, checked against the reference.
 
 Example::
 
@@ -30,7 +32,7 @@ from ._check import SEMANTICS, StepFailed, check_step
 from ._device import SimArray, SimDevice
 from ._generate import programs
 from ._programs import DONE, FAULTS, KINDS, Fault, Program, Region, Step, run_program
-from ._record import Recording, record, replay
+from ._record import Recording, record, replay, replay_ranks
 from ._reference import reference, reference_with_faults
 from ._world import SimAborted, SimDeadlock, SimMismatch, SimWorld
 
@@ -38,6 +40,7 @@ __all__ = ["FAULTS", "FAULT_ERRORS", "KINDS", "SEMANTICS", "Fault", "Program", "
            "Region", "SimAborted", "SimArray", "SimDeadlock", "SimDevice", "SimMismatch",
            "SimWorld", "Step", "StepFailed", "check_outcomes", "check_program", "check_slots",
            "check_step", "programs", "record", "reference", "reference_with_faults", "replay",
+           "replay_ranks",
            "run_program"]
 
 #: How a step may end under injected faults: the fault itself (cancelled, its start or its

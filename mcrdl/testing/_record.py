@@ -1,26 +1,39 @@
-"""Record the collectives one rank submits in a real step; replay them in the simulated world.
+"""Record what each rank submits in a real step; replay it in the simulated world.
 
 ::
 
-    with mcrdl.testing.record(comm) as rec:
-        train_step(comm)                 # real backends, real data
-    rec.save("step.json")
-    mcrdl.testing.replay(rec, seeds=range(50))   # simulated: many timings and backend choices
+    with mcrdl.testing.record(comm, "step-{rank}.json"):   # each rank, real backends
+        train_step(comm)                 # saved on leaving the block, even when it raised
+    recs = [Recording.load(f"step-{r}.json") for r in range(4)]
+    mcrdl.testing.replay_ranks(recs, seeds=range(50))     # one process: many timings
 
-The recording keeps, per operation (read from its descriptor as it is submitted): the kind, the
-communicator (name, size), the backend ("auto" where it is decided by the agreed size), the
-dtype and byte ranges of its buffers (so buffer reuse, and with it the hazards across
-backends, is reproduced), the root, the ReduceOp and the ``after=`` edges. A replay assumes
-SPMD, as data- and expert-parallel training steps are: every rank submits the same sequence.
-A sub-communicator of size k is replayed as blocks of k consecutive ranks. Point-to-point
-operations cannot be replayed from one rank's view (the peers' halves are not in it) and are
-refused with a clear error.
+A recording keeps, per operation (read from its descriptor as it is submitted): the kind,
+the communicator (name, size, members), the backend ("auto" where it is decided by the agreed
+size), the dtype and byte ranges of its buffers, the root, the ReduceOp, a send's or receive's
+peer and tag, the name, and the ``after=`` edges; and the rank's order of events: each
+submission and each wait (``wait()`` or ``await``), with the asyncio task it came from.
+
+Two replays:
+
+- `replay_ranks`: the recordings of every rank, each replayed on the rank it came from, in
+  one simulated world per seed and semantics (`check_step`): sends and receives, names and
+  sub-communicators as recorded. Each rank submits in its recorded order; each task waits
+  where it waited. What it checks is that this order deadlocks or mismatches under no other
+  timing; a recording of a step that hung replays into the same hang, reported with the
+  ranks, operations, peers and tags involved.
+- `replay`: one rank's recording, on any number of ranks, every rank submitting the same
+  sequence (SPMD, as data- and expert-parallel steps are), with backends reassigned per
+  seed and the results checked against the sequential reference (so buffer reuse, and with
+  it the hazards across backends, is reproduced). A sub-communicator of size k is replayed
+  as blocks of k consecutive ranks. Sends and receives are refused there: one rank's view
+  lacks its peers' halves.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -31,9 +44,9 @@ from ..core._buffers import Buffer
 from ..core._types import ReduceOp
 from ._programs import Program, Region, Step
 
-__all__ = ["Recording", "record", "replay"]
+__all__ = ["Recording", "record", "replay", "replay_ranks"]
 
-_FORMAT = 1
+_FORMAT = 2
 
 
 @dataclass
@@ -54,6 +67,12 @@ class Recorded:
     op: str | None = None
     counts: tuple[int, ...] = ()
     after: tuple[int, ...] = ()
+    members: tuple[int, ...] = ()  # the communicator's members, as world ranks
+    peer: int = -1  # a send's or receive's peer (a rank of the communicator)
+    tag: int = 0
+    name: str | None = None
+    recv_counts: tuple[int, ...] | None = None  # an alltoallv's, where given
+    exchange: bool = False  # an alltoallv's count exchange (the front makes it again)
 
 
 @dataclass
@@ -63,11 +82,14 @@ class Recording:
     size: int
     rank: int
     ops: list[Recorded] = field(default_factory=list)
+    #: In order: ``["submit", i, task]`` or ``["wait", i, task]`` for operation ``i``;
+    #: ``task`` numbers the asyncio tasks by their first event (0: outside any task).
+    events: list[list[Any]] = field(default_factory=list)
 
     def save(self, path: str) -> None:
         """Write the recording as JSON."""
         data = {"format": _FORMAT, "size": self.size, "rank": self.rank,
-                "ops": [asdict(op) for op in self.ops]}
+                "ops": [asdict(op) for op in self.ops], "events": self.events}
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(data, fh, indent=1)
 
@@ -81,7 +103,7 @@ class Recording:
         ops = [Recorded(**{k: tuple(v) if isinstance(v, list) else v  # type: ignore[arg-type]
                            for k, v in op.items()})
                for op in data["ops"]]
-        return cls(data["size"], data["rank"], ops)
+        return cls(data["size"], data["rank"], ops, data["events"])
 
     def to_program(self, size: int | None = None,
                    backends: Mapping[int, str] | None = None) -> Program:
@@ -93,30 +115,61 @@ class Recording:
 
 
 @contextmanager
-def record(comm: Any) -> Iterator[Recording]:
-    """Record every operation submitted through ``comm``'s runtime inside the block.
+def record(comm: Any, path: str | None = None) -> Iterator[Recording]:
+    """Record every operation submitted through ``comm``'s runtime inside the block, and
+    every wait for one.
 
     Each operation is read from its descriptor as it is submitted (``Engine.observe``): an
     alltoallv whose counts are exchanged appears as the exchange and the data exchange,
-    with the edge between them.
+    with the edge between them. ``path`` (``{rank}`` is replaced by the rank): where the
+    recording is saved on leaving the block, whether the block ended or raised (a step that
+    hung and timed out is recorded up to where it stopped).
     """
     engine = comm.runtime.engine
     rec = Recording(comm.runtime.world.size, comm.runtime.world.rank)
     index: dict[int, int] = {}  # id(future) -> op index
-    kept: list[Any] = []  # the recorded futures, so that their ids stay theirs
+    tasks: dict[int, int] = {}  # id(task) -> its number
+    kept: list[Any] = []  # the recorded futures and tasks, so that their ids stay theirs
+
+    def task() -> int:
+        try:
+            current = asyncio.current_task()
+        except RuntimeError:  # no event loop in this thread
+            return 0
+        if current is None:
+            return 0
+        if id(current) not in tasks:
+            tasks[id(current)] = len(tasks) + 1
+            kept.append(current)
+        return tasks[id(current)]
 
     def observe(fut: Any, after: tuple[Any, ...]) -> None:
         if fut.kind == "fingerprint":
             return
-        index[id(fut)] = len(rec.ops)
+        index[id(fut)] = i = len(rec.ops)
         kept.append(fut)
         rec.ops.append(_decode(fut, [index[id(f)] for f in after if id(f) in index]))
+        # An alltoallv's data half starts by a method of its exchange (`Exchanged`): mark
+        # the exchange, which a replay's alltoallv makes again.
+        exchange = getattr(getattr(fut.start, "__self__", None), "exchange", None)
+        if exchange is not None and id(exchange) in index:
+            rec.ops[index[id(exchange)]].exchange = True
+        rec.events.append(["submit", i, task()])
+
+    def waited(fut: Any) -> None:
+        i = index.get(id(fut))
+        if i is not None:
+            rec.events.append(["wait", i, task()])
 
     stop = engine.observe(observe)
+    engine.wait_observer = waited
     try:
         yield rec
     finally:
+        engine.wait_observer = None
         stop()
+        if path is not None:
+            rec.save(path.replace("{rank}", str(rec.rank)))
 
 
 def _decode(fut: Any, after: list[int]) -> Recorded:
@@ -136,13 +189,19 @@ def _decode(fut: Any, after: list[int]) -> Recorded:
             o = bufs[1]
             rec.out, rec.out_fresh = (o.addr, o.stop), o.fresh
     ints = [a for a in args[2:] if type(a) is int]
-    if ints and fut.kind not in ("send", "recv"):
+    if fut.stream is not None:  # a send or receive
+        rec.peer, rec.tag = fut.stream[0], fut.stream[1]
+    elif ints:
         rec.root = ints[0]
     ops = [a for a in args if type(a) is ReduceOp]
     if ops:
         rec.op = ops[0].value
     if fut.kind == "alltoallv":
         rec.counts = tuple(int(c) for c in args[2])
+        if len(args) > 4 and args[4] is not None:
+            rec.recv_counts = tuple(int(c) for c in args[4])
+    rec.members = tuple(lane.comm.members)
+    rec.name = fut.name
     return rec
 
 
@@ -182,7 +241,8 @@ def _to_program(rec: Recording, size: int, reassign: Mapping[int, str]) -> Progr
     for i, op in enumerate(rec.ops):
         if op.kind in ("send", "recv"):
             raise ValueError(f"operation {i} is a {op.kind}: point-to-point operations cannot "
-                             "be replayed from one rank's recording")
+                             "be replayed from one rank's recording; record every rank and "
+                             "use replay_ranks")
         if op.comm not in comms:
             k = op.comm_size
             if size % k:
@@ -190,9 +250,11 @@ def _to_program(rec: Recording, size: int, reassign: Mapping[int, str]) -> Progr
                                  f"of {size} into blocks")
             splits.append(tuple(r // k for r in range(size)))
             comms[op.comm] = (len(splits), -1)  # color fixed per rank below
-        if op.kind == "alltoallv" and len(op.counts) != size:
-            raise ValueError(f"operation {i} is an alltoallv recorded on {len(op.counts)} "
-                             f"ranks: replay it on that many, not {size}")
+        n = size if op.comm == "world" else op.comm_size
+        if op.kind == "alltoallv" and len(op.counts) != n:
+            raise ValueError(f"operation {i} is an alltoallv recorded on a communicator of "
+                             f"{len(op.counts)} ranks ({op.comm}): replay it where that "
+                             f"communicator has that many, not {n}")
         buf = out = None
         if op.buf is not None and op.dtype is not None:
             buf = slot_of(op.dtype, op.itemsize, *op.buf), op.buf
@@ -282,3 +344,159 @@ def replay(recording: Recording, *, size: int | None = None, seeds: Iterable[int
         check_program(program, seed=seed, backends=sems)
         runs += 1
     return runs
+
+
+def replay_ranks(recordings: Sequence[Recording], *, seeds: Iterable[int] = range(20),
+                 semantics: Sequence[str] = ("mpi", "nccl"),
+                 rename: Mapping[str, str] | None = None, **world_args: Any) -> None:
+    """Replay every rank's recording on the rank it came from, in simulated worlds (one per
+    seed and semantics, as `check_step` runs a step); raise on the first that fails.
+
+    Args:
+        recordings: one per rank of the recorded world, in any order.
+        seeds, semantics, world_args: as for `check_step`.
+        rename: backend names the simulated world lacks (it has ``"mpi"`` and ``"gloo"``), to
+            the one to replay them on: ``{"nccl": "gloo"}``.
+
+    Raises:
+        StepFailed: a run deadlocked, mismatched or raised, named by its semantics and seed.
+        ValueError: recordings that are not one per rank of one world, or a backend the
+            simulated world lacks.
+    """
+    from ._check import check_step
+
+    recs = sorted(recordings, key=lambda r: r.rank)
+    size = len(recs)
+    if [r.rank for r in recs] != list(range(size)) or any(r.size != size for r in recs):
+        raise ValueError(f"replay_ranks needs one recording per rank of one world: got ranks "
+                         f"{[r.rank for r in recs]} of worlds of {sorted({r.size for r in recs})}")
+    rename = dict(rename or {})
+    for rec in recs:
+        for i, op in enumerate(rec.ops):
+            backend = rename.get(op.backend, op.backend)
+            if backend not in ("auto", "mpi", "gloo"):
+                raise ValueError(f"operation {i} of rank {rec.rank} ran on {op.backend!r}, "
+                                 f"which the simulated world lacks: pass rename="
+                                 f"{{{op.backend!r}: 'mpi'}} (or 'gloo')")
+    splits = _split_plan(recs)
+
+    def step(comm: Any) -> Any:
+        return _replay_rank(comm, recs[comm.rank], splits, rename)
+
+    check_step(step, sizes=(size,), seeds=seeds, semantics=semantics, **world_args)
+
+
+def _split_plan(recs: Sequence[Recording]) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
+    """The sub-communicators to make before replaying, as (parent, [(child, members)]) per
+    recorded split, parents first: every communicator a recording used, and the parents of
+    each (``world.2c1`` was split, second, from ``world``, with color 1)."""
+    members: dict[str, tuple[int, ...]] = {}
+    for rec in recs:
+        for op in rec.ops:
+            members.setdefault(op.comm, op.members)
+    for name in list(members):  # parents no operation ran on: their members are unknown,
+        parent = name  # but every child's members are among them
+        while "." in parent:
+            parent = parent.rsplit(".", 1)[0]
+            members[parent] = tuple(sorted({*members.get(parent, ()), *members[name]}))
+    splits: dict[tuple[str, int], list[tuple[str, tuple[int, ...]]]] = {}
+    for name in members:
+        if name == "world":
+            continue
+        parent, last = name.rsplit(".", 1)
+        number = int(last.split("c", 1)[0])
+        splits.setdefault((parent, number), []).append((name, members[name]))
+    order = sorted(splits, key=lambda key: (key[0].count("."), key[0], key[1]))
+    return [(parent, splits[parent, number]) for parent, number in order]
+
+
+def _replay_rank(comm: Any, rec: Recording, splits: list[tuple[str, list[Any]]],
+                 rename: Mapping[str, str]) -> Any:
+    """Rank ``comm.rank``'s part of a replay: make the communicators, then its events."""
+    comms = {"world": comm}
+    me = comm.rank
+    for parent_name, children in splits:
+        parent = comms.get(parent_name)
+        if parent is None:  # not a member of the parent: not of its children either
+            continue
+        mine = next(((name, m) for name, m in children if me in m), None)
+        color = None if mine is None else int(mine[0].rsplit("c", 1)[1])
+        child = parent.split(color, key=0 if mine is None else mine[1].index(me))
+        if mine is not None:
+            comms[mine[0]] = child
+    if all(task == 0 for _, _, task in rec.events):
+        futs: dict[int, Any] = {}
+        for what, i, _ in rec.events:
+            if what == "submit":
+                if not rec.ops[i].exchange:  # (the front makes the exchange again)
+                    futs[i] = _submit(comms, rec, i, futs, rename)
+            elif i in futs:
+                futs[i].wait()
+        return None
+    return asyncio.run(_replay_tasks(comms, rec, rename))
+
+
+async def _replay_tasks(comms: dict[str, Any], rec: Recording,
+                        rename: Mapping[str, str]) -> None:
+    """A recording with asyncio tasks: a task per recorded task, each running its events in
+    order. Submissions keep the recorded order across the tasks (each waits for the one
+    before it), and an event outside any task comes after everything before it: the replay
+    changes the timing, never this rank's order."""
+    futs: dict[int, Any] = {}
+    events = rec.events
+    done = [asyncio.Event() for _ in events]  # set once the event has happened
+    by_task: dict[int, list[int]] = {}
+    gate: list[list[int]] = []  # per event, the events it waits for first
+    last = -1  # the latest submission or event outside any task
+    for pos, (what, _, task) in enumerate(events):
+        by_task.setdefault(task, []).append(pos)
+        if task == 0:
+            gate.append(list(range(pos)))
+        else:
+            gate.append([last] if what == "submit" and last >= 0 else [])
+        if what == "submit" or task == 0:
+            last = pos
+
+    async def run(positions: list[int]) -> None:
+        for pos in positions:
+            what, i, _ = events[pos]
+            for p in gate[pos]:
+                await done[p].wait()
+            if what == "submit":
+                if not rec.ops[i].exchange:  # (the front makes the exchange again)
+                    futs[i] = _submit(comms, rec, i, futs, rename)
+            elif i in futs:
+                await futs[i]
+            done[pos].set()
+
+    await asyncio.gather(*(run(positions) for positions in by_task.values()))
+
+
+def _submit(comms: dict[str, Any], rec: Recording, i: int, futs: dict[int, Any],
+            rename: Mapping[str, str]) -> Any:
+    """Submit recorded operation ``i`` on its communicator, with buffers of its sizes."""
+    op = rec.ops[i]
+    comm = comms[op.comm]
+    backend = rename.get(op.backend, op.backend)
+    kw: dict[str, Any] = {"backend": None if backend == "auto" else backend,
+                          "after": [futs[j] for j in op.after if j in futs]}
+    buf = None
+    if op.buf is not None and op.dtype is not None:
+        items = (op.buf[1] - op.buf[0]) // max(op.itemsize, 1)
+        shape = (items // op.row, op.row) if op.row > 1 else (items,)
+        buf = np.zeros(shape, dtype=op.dtype)
+    kind = op.kind
+    if kind in ("send", "recv"):
+        return getattr(comm, kind)(buf, op.peer, op.tag, **kw)
+    kw["name"] = op.name
+    if kind == "barrier":
+        return comm.barrier(**kw)
+    if kind in ("allreduce", "reduce_scatter"):
+        return getattr(comm, kind)(buf, ReduceOp(op.op), **kw)
+    if kind == "reduce":
+        return comm.reduce(buf, op.root, ReduceOp(op.op), **kw)
+    if kind in ("broadcast", "gather", "scatter"):
+        return getattr(comm, kind)(buf, op.root, **kw)
+    if kind == "alltoallv":
+        return comm.alltoallv(buf, list(op.counts), recv_counts=op.recv_counts, **kw)
+    return getattr(comm, kind)(buf, **kw)  # allgather, alltoall

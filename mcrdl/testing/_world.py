@@ -386,10 +386,15 @@ class SimWorld:
                 for t in runtime.engine.deadlines()]
 
     def _abort(self) -> None:
-        """Unwind every thread still parked (workers, deadlocked ranks)."""
+        """Unwind every thread still parked (workers, deadlocked ranks), until each has
+        ended: a rank's asyncio loop may park again in another task after one is unwound,
+        and the program's own ``finally`` blocks must run (a recording saves there)."""
         self._aborted = True
-        for t in self._threads:
-            if not t.finished:
+        for _ in range(10_000):
+            live = [t for t in self._threads if not t.finished]
+            if not live:
+                return
+            for t in live:
                 self._resume(t)
 
     def report(self) -> str:

@@ -13,6 +13,8 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from mpi4py import MPI
 
+import mcrdl
+
 from mcrdl import (
     BackendError,
     CommBrokenError,
@@ -178,3 +180,18 @@ def test_cancelled_is_the_future_state(comm):
     with pytest.raises(CommBrokenError):
         sub.barrier().wait()
     sub.close()
+
+
+def test_gloo_alltoallv_counts_that_do_not_fit_are_a_desync_everywhere_not_an_abort(comm):
+    """gloo ends the process (EnforceNotMet in its own thread) where a member sends other
+    counts than its peer expects: the counts are checked across the members first, and
+    every member refuses the exchange alike, naming the counts; the communicator goes on."""
+    n = comm.size
+    send = [2] * n if comm.rank == 0 else [1] * n
+    with pytest.raises(mcrdl.DesyncError, match=r"alltoallv on communicator world\S*: rank 1 "
+                                                 r"sends 1 rows to rank 0, which expects 2"):
+        comm.alltoallv(torch.ones(sum(send)), send, recv_counts=[2] * n,
+                       backend="gloo").wait()
+    out = comm.alltoallv(torch.full((n,), float(comm.rank)), [1] * n, recv_counts=[1] * n,
+                         backend="gloo").wait()
+    assert out.tolist() == [float(r) for r in range(n)]

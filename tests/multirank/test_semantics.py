@@ -360,7 +360,8 @@ def test_three_communicator_cycle(comm, backend):
 
 
 def test_a_recorded_moe_step_replays_at_its_size(comm):
-    """alltoallv with exchanged counts, then the expert output back, then a gradient
+    """alltoallv with exchanged counts, then the expert output back (on gloo, whose given
+    counts are checked across the members in an exchange of their own), then a gradient
     allreduce: recorded on every rank, replayed simulated under many timings."""
     from mcrdl.testing import record, replay
 
@@ -371,5 +372,7 @@ def test_a_recorded_moe_step_replays_at_its_size(comm):
         back = comm.alltoallv(routed.wait() * 2, [2] * n, [2] * n, backend="gloo")
         comm.allreduce(torch.ones(8)).wait()
         back.wait()
-    assert [op.kind for op in rec.ops] == ["alltoall", "alltoallv", "alltoallv", "allreduce"]
+    assert [op.kind for op in rec.ops] == ["alltoall", "alltoallv", "allgather", "alltoallv",
+                                           "allreduce"]
+    assert [op.exchange for op in rec.ops] == [True, False, True, False, False]
     assert replay(rec, size=n, seeds=range(5)) == 5

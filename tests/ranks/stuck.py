@@ -4,6 +4,7 @@
     MCRDL_FLIGHT_RECORDER=dir/fr-{rank}.json mpiexec -n 2 python stuck.py cycle
     MCRDL_FLIGHT_RECORDER=dir/fr-{rank}.json mpiexec -n 2 python stuck.py recv
     MCRDL_FLIGHT_RECORDER=dir/fr-{rank}.json mpiexec -n 2 python stuck.py collrecv
+    MCRDL_FLIGHT_RECORDER=dir/fr-{rank}.json mpiexec -n 2 python stuck.py gloo
 
 ``skip`` (3 ranks): ranks 0 and 2 allreduce on the world; rank 1 skips it and waits instead
 for an allreduce on the communicator it shares with rank 0, which rank 0 never issues.
@@ -12,7 +13,9 @@ the first, rank 1 on one on the second. ``recv`` (2 ranks): each receives from t
 (tags 7 and 9) before it would send. ``collrecv`` (2 ranks): rank 0 blocks in an MPI
 allreduce on the world, which rank 1 never reaches: it blocks in a gloo receive from rank 0
 (tag 1), whose send comes after the allreduce. In these two, rank 1's runtime has a timeout
-of 60 s: rank 0 times out, and rank 1 learns of it from rank 0's notice. Each rank writes ``$MCRDL_RESULT_DIR/stuck<R>``
+of 60 s: rank 0 times out, and rank 1 learns of it from rank 0's notice. ``gloo`` (2 ranks,
+the same timeouts): rank 0 blocks in a gloo allreduce that rank 1 never issues (it blocks in
+a receive instead). Each rank writes ``$MCRDL_RESULT_DIR/stuck<R>``
 before it blocks; the test signals SIGUSR2 (a dump) while they are stuck, and the timeout
 ends them.
 
@@ -30,7 +33,7 @@ import torch
 import mcrdl
 
 mode = sys.argv[1]
-p2p = mode in ("recv", "collrecv")
+p2p = mode in ("recv", "collrecv", "gloo")
 comm = mcrdl.init(**({"timeout": 60.0} if p2p and os.environ.get("PMI_RANK") == "1" else {}))
 if p2p:
     comm.allreduce(torch.ones(4), backend="gloo").wait()
@@ -38,7 +41,11 @@ if p2p:
     open(os.path.join(os.environ["MCRDL_RESULT_DIR"], f"stuck{comm.rank}"), "w").close()
     peer = 1 - comm.rank
     try:
-        if mode == "recv":
+        if mode == "gloo" and comm.rank == 0:
+            comm.allreduce(torch.ones(4), backend="gloo").wait()
+        elif mode == "gloo":
+            comm.recv(torch.empty(4), 0, tag=5).wait()
+        elif mode == "recv":
             comm.recv(torch.empty(4), peer, tag=7 if comm.rank == 0 else 9).wait()
             comm.send(torch.ones(4), peer, tag=9 if comm.rank == 0 else 7).wait()
         elif comm.rank == 0:

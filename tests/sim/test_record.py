@@ -63,5 +63,24 @@ def test_an_alltoallv_whose_counts_are_exchanged_is_recorded_whole(world):
     assert [op.kind for op in rec.ops] == ["alltoall", "alltoallv"]
     exchange, data = rec.ops
     assert data.after == (0,) and data.counts == (3,) and data.row == 2
-    assert exchange.dtype == "int64"
+    assert exchange.dtype == "int64" and exchange.exchange and not data.exchange
     assert replay(rec, seeds=range(5)) == 5
+
+
+def test_an_alltoallv_on_a_sub_communicator_replays_at_the_world_size(tmp_path):
+    """Recorded on a 2-member sub-communicator of a 4-rank world, its counts are 2 long: the
+    replay compares them with that communicator's size, not the world's (it refused)."""
+    from mcrdl.testing import SEMANTICS, SimWorld
+
+    recs = {}
+
+    def program(comm):
+        pair = comm.split(comm.rank // 2)
+        with record(comm) as rec:
+            pair.alltoallv(np.arange(4.0), [1, 3], recv_counts=[1, 1] if pair.rank == 0
+                           else [3, 3]).wait()
+        recs[comm.rank] = rec
+
+    SimWorld(4, SEMANTICS["mpi"], seed=0).run(program)
+    assert recs[0].ops[0].comm_size == 2 and recs[0].ops[0].counts == (1, 3)
+    assert replay(recs[0], size=4, seeds=range(3), reassign=False) == 3

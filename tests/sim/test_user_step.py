@@ -14,7 +14,17 @@ import numpy as np
 import pytest
 
 import mcrdl
-from mcrdl.testing import SEMANTICS, SimDeadlock, SimMismatch, SimWorld, StepFailed, check_step
+from mcrdl.testing import (
+    SEMANTICS,
+    Recording,
+    SimDeadlock,
+    SimMismatch,
+    SimWorld,
+    StepFailed,
+    check_step,
+    record,
+    replay_ranks,
+)
 
 _PATH = Path(__file__).resolve().parents[2] / "examples" / "pipeline_step.py"
 _spec = importlib.util.spec_from_file_location("pipeline_step", _PATH)
@@ -121,3 +131,70 @@ def test_unnamed_micro_batch_collectives_in_debug_mode_are_a_desync_suggesting_n
     error = info.value.error
     assert isinstance(error, mcrdl.DesyncError), error
     assert "from an unnamed task" in str(error) and "pass name= to each" in str(error)
+
+
+def _recorded(size: int, bug: str | None, tmp_path) -> list:
+    """Each rank's recording of one simulated run of the step (saved on leaving the block,
+    also when the run failed)."""
+    def program(comm):
+        with record(comm, str(tmp_path / "step-{rank}.json")):
+            return __import__("asyncio").run(example.step(comm, bug))
+
+    world = SimWorld(size, SEMANTICS["mpi"], seed=3)
+    if bug is None:
+        world.run(program)
+    else:
+        with pytest.raises(SimDeadlock):
+            world.run(program)
+    return [Recording.load(str(tmp_path / f"step-{r}.json")) for r in range(size)]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_recordings_of_every_rank_replay_on_their_ranks(size, tmp_path):
+    """Sends and receives, names, a sub-communicator's alltoallv and the tasks' waits all
+    replay; a correct step's recordings pass under both semantics."""
+    recs = _recorded(size, None, tmp_path)
+    kinds = {op.kind for rec in recs for op in rec.ops}
+    assert {"send", "recv", "alltoallv", "allreduce"} <= kinds, kinds
+    assert any(op.name == "loss/0" for op in recs[0].ops)
+    assert any(what == "wait" and task > 0 for what, _, task in recs[0].events)
+    replay_ranks(recs, seeds=range(8))
+
+
+def test_a_step_that_hung_is_recorded_up_to_the_hang_and_replays_into_it(tmp_path):
+    """Stage 0 waits for a gradient before it sends: the run deadlocks, its recordings are
+    saved all the same, and their replay finds the deadlock, naming the messages. (A replay
+    that did not wait where the step waited would submit the sends and pass.)"""
+    recs = _recorded(2, "recv-first", tmp_path)
+    with pytest.raises(StepFailed) as info:
+        replay_ranks(recs, seeds=range(4))
+    assert isinstance(info.value.error, SimDeadlock)
+    assert ("message #0 from rank 1 to rank 0, tag 100: rank 1 has not posted its send"
+            in str(info.value.error)), info.value.error
+
+
+def test_replay_ranks_refuses_an_incomplete_set_and_names_a_missing_backend(tmp_path):
+    recs = _recorded(2, None, tmp_path)
+    with pytest.raises(ValueError, match=r"one recording per rank of one world: got ranks "
+                                         r"\[0\] of worlds of \[2\]"):
+        replay_ranks(recs[:1])
+    recs[0].ops[0].backend = "nccl"
+    with pytest.raises(ValueError, match=r"ran on 'nccl', which the simulated world lacks: "
+                                         r"pass rename=\{'nccl': 'mpi'\}"):
+        replay_ranks(recs)
+    replay_ranks(recs, seeds=range(2), rename={"nccl": "mpi"})
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("bug, verdict", [("recv-first", SimDeadlock), ("skip", SimDeadlock),
+                                          ("unnamed", (SimMismatch, SimDeadlock))])
+def test_each_bug_is_found_at_2_and_4_ranks_under_both_semantics(bug, verdict):
+    """Every bug, in every world the step is checked in: found within the seeds, with the
+    world's verdict (unnamed collectives swap into a mismatch, or, on in-order NCCL-like
+    lanes, into a wait that never ends)."""
+    for size in (2, 4):
+        for semantics in ("mpi", "nccl"):
+            with pytest.raises(StepFailed) as info:
+                check_step(lambda comm: example.step(comm, bug), sizes=(size,), seeds=SEEDS,
+                           semantics=(semantics,), check=example.check_results)
+            assert isinstance(info.value.error, verdict), (size, semantics, info.value)
