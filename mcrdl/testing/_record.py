@@ -424,52 +424,27 @@ def _replay_rank(comm: Any, rec: Recording, splits: list[tuple[str, list[Any]]],
         child = parent.split(color, key=0 if mine is None else mine[1].index(me))
         if mine is not None:
             comms[mine[0]] = child
-    if all(task == 0 for _, _, task in rec.events):
-        futs: dict[int, Any] = {}
-        for what, i, _ in rec.events:
-            if what == "submit":
-                if not rec.ops[i].exchange:  # (the front makes the exchange again)
-                    futs[i] = _submit(comms, rec, i, futs, rename)
-            elif i in futs:
-                futs[i].wait()
-        return None
-    return asyncio.run(_replay_tasks(comms, rec, rename))
-
-
-async def _replay_tasks(comms: dict[str, Any], rec: Recording,
-                        rename: Mapping[str, str]) -> None:
-    """A recording with asyncio tasks: a task per recorded task, each running its events in
-    order. Submissions keep the recorded order across the tasks (each waits for the one
-    before it), and an event outside any task comes after everything before it: the replay
-    changes the timing, never this rank's order."""
+    # Submissions in the recorded order; each after the waits its task made before it (one
+    # outside any task: after every wait so far). Another task's wait holds nothing back,
+    # as it did not in the program: an operation a task waited for is waited for here
+    # only once that task submits again (or at the end). Only operations are waited on,
+    # so the simulated world sees every wait (nothing waits on an asyncio event of its own).
     futs: dict[int, Any] = {}
-    events = rec.events
-    done = [asyncio.Event() for _ in events]  # set once the event has happened
-    by_task: dict[int, list[int]] = {}
-    gate: list[list[int]] = []  # per event, the events it waits for first
-    last = -1  # the latest submission or event outside any task
-    for pos, (what, _, task) in enumerate(events):
-        by_task.setdefault(task, []).append(pos)
-        if task == 0:
-            gate.append(list(range(pos)))
-        else:
-            gate.append([last] if what == "submit" and last >= 0 else [])
-        if what == "submit" or task == 0:
-            last = pos
-
-    async def run(positions: list[int]) -> None:
-        for pos in positions:
-            what, i, _ = events[pos]
-            for p in gate[pos]:
-                await done[p].wait()
-            if what == "submit":
-                if not rec.ops[i].exchange:  # (the front makes the exchange again)
-                    futs[i] = _submit(comms, rec, i, futs, rename)
-            elif i in futs:
-                await futs[i]
-            done[pos].set()
-
-    await asyncio.gather(*(run(positions) for positions in by_task.values()))
+    waited: dict[int, list[int]] = {}  # per task, operations it waited for, not yet here
+    for what, i, task in rec.events:
+        if what == "wait":
+            if i in futs:
+                waited.setdefault(task, []).append(i)
+            continue
+        for t in [task] if task else list(waited):
+            for j in waited.pop(t, ()):
+                futs[j].wait()
+        if not rec.ops[i].exchange:  # (the front makes the exchange again)
+            futs[i] = _submit(comms, rec, i, futs, rename)
+    for ops in waited.values():
+        for j in ops:
+            futs[j].wait()
+    return None
 
 
 def _submit(comms: dict[str, Any], rec: Recording, i: int, futs: dict[int, Any],

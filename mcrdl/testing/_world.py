@@ -15,7 +15,10 @@ when members issue different collectives at the same position of a group.
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import threading
+import types
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -28,6 +31,7 @@ from ..backends.sim import SimBackend, SimGroup, SimOp, reduce_stack
 from ..core._buffers import Buffer
 from ..core._config import Config
 from ..engine import Engine, PollPolicy
+from ..engine._drivers import drive_async
 from ..engine._fusion import carried
 from ..front._runtime import Runtime
 from ..observe._flight import flight_record
@@ -41,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["SimAborted", "SimDeadlock", "SimMismatch", "SimWorld"]
 
 _SCHED = -1
+_DRIVE_CODE = drive_async.__code__
 #: Simulated seconds per scheduler step (the engines' clock, for timeouts).
 STEP_SECONDS = 1e-3
 
@@ -238,7 +243,7 @@ class SimWorld:
             engine = (engine_factory or Engine)(
                 background=False, policy=PollPolicy(spin_polls=0, burst=0),
                 timeout=timeout, clock=self.clock)
-            engine.idle_hook = self.yield_
+            engine.idle_hook = self._idle
             selector = selector_factory(rank, tuple(sims)) if selector_factory else None
             config = Config(progress_thread=False, timeout=timeout, debug=debug)
             self.runtimes.append(Runtime(config, None, sims, engine=engine, threads=threads,
@@ -292,6 +297,15 @@ class SimWorld:
                 self._cond.wait()
         if self._aborted:
             raise SimAborted()
+
+    def _idle(self) -> None:
+        """An engine's idle hook: hand the baton back. A rank whose event loop has other
+        work ready (a task woken by an asyncio event, or looping on ``asyncio.sleep(0)``,
+        not one awaiting an operation) is not quiet: that work runs on its next turn, and
+        may submit what a peer waits for, so this turn counts as progress."""
+        if _loop_has_other_work():
+            self.progress += 1
+        self.yield_()
 
     def sleep(self, steps: int) -> None:
         """Let ``steps`` scheduler steps pass before this thread goes on (a per-rank delay)."""
@@ -543,6 +557,37 @@ class SimWorld:
 
 def _unblocked(caps: Any) -> Any:
     return replace(caps, blocking_calls=False)
+
+
+def _loop_has_other_work() -> bool:
+    """Whether the calling task's event loop (if it awaits in an engine's driver) has a
+    callback ready that is not another task awaiting in one (those poll, which moves
+    nothing by itself). Reads asyncio's ready queue (``_ready``); a loop without one (not
+    asyncio's own) says nothing."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code is not _DRIVE_CODE:
+        frame = frame.f_back
+    if frame is None:  # a blocking wait inside a task: its loop cannot run meanwhile
+        return False
+    for handle in getattr(loop, "_ready", ()):
+        owner = getattr(getattr(handle, "_callback", None), "__self__", None)
+        if not isinstance(owner, asyncio.Task) or not _driving(owner):
+            return True
+    return False
+
+
+def _driving(task: asyncio.Task[Any]) -> bool:
+    """Whether ``task`` is suspended in (or running) an engine driver's ``await``."""
+    awaited: Any = task.get_coro()
+    while awaited is not None:
+        if getattr(awaited, "gi_code", None) is _DRIVE_CODE:
+            return True
+        awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+    return False
 
 
 def _np(buf: Any) -> np.ndarray:

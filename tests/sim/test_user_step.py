@@ -6,6 +6,7 @@ semantics and seed, with what the ranks wait for."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import sys
 from pathlib import Path
@@ -198,3 +199,35 @@ def test_each_bug_is_found_at_2_and_4_ranks_under_both_semantics(bug, verdict):
                 check_step(lambda comm: example.step(comm, bug), sizes=(size,), seeds=SEEDS,
                            semantics=(semantics,), check=example.check_results)
             assert isinstance(info.value.error, verdict), (size, semantics, info.value)
+
+
+def test_tasks_busy_with_asyncio_alone_are_not_taken_for_a_deadlock():
+    """Rank 0's task c sends what rank 1 waits for, once task b (after five bare loop
+    iterations, then a submission the MPI window holds back) sets an asyncio event. While
+    b loops, rank 0's other task waits and nothing simulated moves: the world declared a
+    deadlock there, though rank 0's loop had work ready."""
+    async def step(comm):
+        if comm.rank == 1:
+            comm.recv(np.empty(1), 0, tag=3, backend="gloo").wait()
+            comm.allreduce(np.ones(2), backend="mpi").wait()
+            comm.allreduce(np.ones(3), backend="mpi").wait()
+            return
+        ready = asyncio.Event()
+
+        async def a():
+            await comm.allreduce(np.ones(2), backend="mpi")
+
+        async def b():
+            for _ in range(5):
+                await asyncio.sleep(0)
+            held = comm.allreduce(np.ones(3), backend="mpi")  # behind a's: nothing moves
+            ready.set()
+            await held
+
+        async def c():
+            await ready.wait()
+            await comm.send(np.ones(1), 1, tag=3, backend="gloo")
+
+        await asyncio.gather(a(), b(), c())
+
+    check_step(step, sizes=(2,), seeds=range(20), semantics=("mpi",))
