@@ -1,4 +1,5 @@
-"""``python -m mcrdl bench`` and ``python -m mcrdl tune`` (under mpiexec or torchrun), and
+"""``python -m mcrdl`` (or ``info``): versions, and which MPI library was loaded;
+``python -m mcrdl bench`` and ``python -m mcrdl tune`` (under mpiexec or torchrun), and
 ``python -m mcrdl trace`` (anywhere: it reads a trace written with ``MCRDL_TRACE``).
 
     mpiexec -n 2 python -m mcrdl bench --ops allreduce,alltoall --sizes 4:64M --plot bench.png
@@ -56,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     from .tuning._bench import OPS
 
     p = argparse.ArgumentParser(prog="python -m mcrdl", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command")
+    sub.add_parser("info", help="versions, and which MPI library mpi4py loaded (the default)")
     for name, helptext in (("bench", "measure operations on every backend"),
                            ("tune", "measure, then write a tuning table for backend='auto'")):
         s = sub.add_parser(name, help=helptext)
@@ -174,6 +176,9 @@ def provenance(comm: Any) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line (see the module docstring)."""
     args = _parser().parse_args(argv)
+    if args.command in (None, "info"):
+        print(info())
+        return 0
     if args.command == "trace":
         return _trace(args)
     import mcrdl
@@ -207,6 +212,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _report(points, meta, args, comm.size)
     finally:
         mcrdl.finalize()
+
+
+def info() -> str:
+    """What ``python -m mcrdl`` prints: mcrdl's, torch's and mpi4py's versions, and the MPI
+    library mpi4py loaded (a site's MPI, or the ``mpich`` wheel's), without starting MPI."""
+    import mpi4py
+    import torch
+
+    import mcrdl
+    from mcrdl.core._versions import TORCH_TESTED, torch_in_range
+
+    mpi4py.rc.initialize = False  # (MPI_Get_library_version needs no MPI_Init)
+    from mpi4py import MPI
+
+    (lo_major, lo_minor), (hi_major, hi_minor) = TORCH_TESTED
+    tested = "within" if torch_in_range(torch.__version__) else "OUTSIDE"
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "/libmpi" in line})
+    except OSError:
+        paths = []
+    library = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
+    return "\n".join([
+        f"mcrdl {mcrdl.__version__}",
+        f"torch {torch.__version__} ({tested} the range mcrdl has been run with, "
+        f"{lo_major}.{lo_minor} to {hi_major}.{hi_minor})",
+        f"mpi4py {mpi4py.__version__}, MPI {MPI.Get_version()[0]}.{MPI.Get_version()[1]}: "
+        f"{library}",
+        f"MPI library loaded from: {', '.join(paths) or 'unknown'}",
+    ])
 
 
 def _report(points: Any, meta: dict[str, Any], args: Any, ranks: int) -> int:

@@ -122,3 +122,25 @@ def test_trace_refuses_a_file_that_is_not_a_trace(tmp_path, capsys):
     bad.write_text(json.dumps({"points": []}))
     assert main(["trace", "summary", str(bad)]) == 2
     assert "is not a trace-event file" in capsys.readouterr().err
+
+
+def test_info_names_torch_and_the_mpi_library_loaded():
+    """``python -m mcrdl``: the versions, and the MPI library mpi4py loaded (a site's, or
+    the mpich wheel's), without starting MPI."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "mcrdl"], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.startswith("mcrdl 0.1.0\ntorch 2."), out
+    assert "within the range mcrdl has been run with, 2.11 to 2.13" in out, out
+    assert re.search(r"^mpi4py \S+, MPI \d\.\d: \S", out, re.M), out
+    assert re.search(r"^MPI library loaded from: \S*libmpi", out, re.M), out
+
+
+def test_the_torch_range_mcrdl_has_been_run_with():
+    from mcrdl.core._versions import torch_in_range
+
+    assert torch_in_range("2.13.0+cpu") and torch_in_range("2.11.0a0+git1234")
+    assert not torch_in_range("2.10.1") and not torch_in_range("2.14.0")
+    assert not torch_in_range("nightly")

@@ -56,6 +56,16 @@ def test_under_torchrun_gloo_only():
     assert out.count("size=2 ok") == 2, out[-6000:]
 
 
+def test_torch_finds_mcrdl_without_an_import_of_it():
+    """``dist.init_process_group("mcrdl")`` in a program that never imports mcrdl, under
+    torchrun: torch's "torch.backends" entry point registered the name (pyproject.toml)."""
+    proc = run_ranks(2, ["tests/ranks/torch_entry_check.py"], timeout=120,
+                     launcher="torchrun")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert out.count("size=2 ok") == 2, out[-6000:]
+
+
 def test_a_dead_peer_makes_every_survivor_raise_and_nothing_hangs(tmp_path):
     """kill -9 of one rank: survivors raise within the timeout; the job ends; nothing is left.
 

@@ -26,6 +26,7 @@ from ..backends._threaded import ThreadedBackend, Threads
 from ..bootstrap._launch import Bootstrap, finalize_mpi, mpi_up
 from ..bootstrap._notices import Notices
 from ..core._config import Config
+from ..core._versions import check_torch
 from ..core._errors import (
     BackendError,
     BackendUnavailableError,
@@ -595,6 +596,7 @@ def init(
                 "mcrdl is initialized already; use the communicator init() returned, "
                 "or call mcrdl.finalize() first"
             )
+        check_torch()
         config = Config.load(backends=backends, timeout=timeout, debug=debug,
                              check_tasks=check_tasks, tuning=tuning,
                              progress_thread=progress_thread, flight_recorder=flight_recorder,

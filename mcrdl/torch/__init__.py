@@ -148,4 +148,7 @@ def _create(opts: Any, backend_options: Any = None) -> ProcessGroupMCRDL:
     return ProcessGroupMCRDL(comm, comm.rank, comm.size)
 
 
-dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+# ``import torch`` registered the name already where mcrdl is installed (its entry point,
+# _mcrdl_torch.py, whose creator calls _create here); otherwise it is registered now.
+if BACKEND_NAME not in dist.Backend.backend_list:
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
