@@ -144,3 +144,20 @@ def test_the_torch_range_mcrdl_has_been_run_with():
     assert torch_in_range("2.13.0+cpu") and torch_in_range("2.11.0a0+git1234")
     assert not torch_in_range("2.10.1") and not torch_in_range("2.14.0")
     assert not torch_in_range("nightly")
+
+
+def test_importing_mcrdl_starts_no_mpi_thread_or_socket():
+    """A fresh process: importing mcrdl and its torch and testing parts leaves MPI
+    unloaded, one thread, and no socket open (everything starts in init())."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys, threading\n"
+            "import mcrdl, mcrdl.torch, mcrdl.testing\n"
+            "fds = [os.readlink(f'/proc/self/fd/{fd}') for fd in os.listdir('/proc/self/fd')\n"
+            "       if os.path.exists(f'/proc/self/fd/{fd}')]\n"
+            "print(threading.active_count(), 'mpi4py.MPI' in sys.modules,\n"
+            "      sum(f.startswith('socket:') for f in fds))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == ["1", "False", "0"], out
