@@ -76,6 +76,16 @@ def test_non_contiguous_tensor(comm):
         comm.allreduce(t)
 
 
+def test_sparse_tensor_is_refused_naming_the_dense_form(comm):
+    """A COO tensor (torch's gloo reduces those) was refused as "not contiguous", with
+    advice (.contiguous()) that does not apply to it."""
+    t = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,))
+    with pytest.raises(TypeError, match=exact(
+            "buf is a sparse tensor (torch.sparse_coo); mcrdl moves dense tensors only: pass "
+            "buf.to_dense() (a sparse allreduce as torch's gloo runs it is not supported)")):
+        comm.allreduce(t)
+
+
 def test_non_contiguous_array(comm):
     a = np.ones((4, 4))[:, ::2]
     with pytest.raises(ValueError, match=r"^buf is not C-contiguous \(shape \(4, 2\), strides "

@@ -162,7 +162,8 @@ def as_buffer(obj: Any, name: str, writable: bool = False) -> Buffer:
     """Check ``obj`` and wrap it; ``name`` is the argument's name for error messages.
 
     Raises:
-        TypeError: not a torch tensor or numpy array, or a dtype mcrdl does not carry.
+        TypeError: not a torch tensor or numpy array, a sparse tensor, or a dtype mcrdl does
+            not carry.
         ValueError: non-contiguous, or read-only where ``writable``.
     """
     tensor_type: Any = _tensor_type
@@ -264,6 +265,11 @@ def _refuse_tensor(obj: Any, name: str, dt: DType | None) -> None:
         raise TypeError(
             f"{name} has dtype {obj.dtype}, which mcrdl does not carry; "
             f"supported: {', '.join(d.value for d in _TO_TORCH)}"
+        )
+    if str(obj.layout) != "torch.strided":  # sparse (COO, CSR...): no strides to move
+        raise TypeError(
+            f"{name} is a sparse tensor ({obj.layout}); mcrdl moves dense tensors only: pass "
+            f"{name}.to_dense() (a sparse allreduce as torch's gloo runs it is not supported)"
         )
     raise ValueError(
         f"{name} is not contiguous (shape {tuple(obj.shape)}, strides {obj.stride()}); "
