@@ -35,6 +35,7 @@ from ..core._errors import (
     StartError,
 )
 from ._breaks import Breaks
+from ._edges import Edges
 from ._events import Events
 from ._future import CommFuture, Placement, report_callback_error
 from ._hazards import HazardIndex
@@ -69,7 +70,7 @@ def _profile(profiler: Any, fut: CommFuture) -> None:
     fut.add_done_callback(lambda _: done.set_result(None))
 
 
-class Engine(Places, Breaks, Events, Idling):
+class Engine(Places, Edges, Breaks, Events, Idling):
     """Issues operations in lane order as their dependencies finish, and resolves their futures.
 
     Invariants:
@@ -317,56 +318,6 @@ class Engine(Places, Breaks, Events, Idling):
         return (not fut._deps_left and fut._placement is None
                 and (not pending or pending[0] is fut)
                 and (fut.stream is not None or lane.issued < lane.window))
-
-    def _check_after(self, after: Iterable[CommFuture]) -> tuple[CommFuture, ...]:
-        after = tuple(after)
-        for dep in after:
-            if not isinstance(dep, CommFuture):
-                raise TypeError(
-                    f"after= takes CommFutures, got {type(dep).__qualname__}: {dep!r}"
-                )
-            if getattr(dep, "_engine", None) is not self:
-                raise ValueError(f"after= got {dep!r}, a future of another runtime")
-        return after
-
-    def _edges(self, fut: CommFuture, after: tuple[CommFuture, ...],
-               deps: dict[CommFuture, None] | None) -> dict[CommFuture, None] | None:
-        """``deps`` with ``after=`` added and the buried zombies left out; None (and ``fut``
-        failed) if one of them failed already, or is a zombie whose bytes ``fut`` touches."""
-        deps = dict(deps) if deps else {}
-        for dep in after:
-            deps[dep] = None
-        for dep in [d for d in deps if d in self._zombies]:
-            if self._bury(dep):
-                del deps[dep]
-        for dep in deps:
-            state = dep._state
-            if state <= DONE:
-                continue
-            if dep in self._zombies:
-                why = (f"touches bytes that {dep.kind}#{dep.seq} on "
-                       f"{dep.lane.backend_name} may still write: it was given up while "
-                       f"issued ({dep._error}), and its backend cannot cancel it")
-            else:
-                why = (f"depends on {dep.kind}#{dep.seq}, which "
-                       f"{STATE_NAMES[state].lower()}: {dep._error}")
-            self._work.append((fut, DependencyFailedError(
-                f"{fut.kind}#{fut.seq} on {fut.lane.backend_name} {why}")))
-            return None
-        return {dep: None for dep in deps if dep._state < DONE}
-
-    def _depend(self, fut: CommFuture, deps: dict[CommFuture, None]) -> None:
-        """``fut`` waits for ``deps`` to end."""
-        fut._deps_left += len(deps)
-        if self.log is not None:
-            self.log_edges.extend((d.lane, d.seq, fut.lane, fut.seq) for d in deps
-                                  if d.lane is not fut.lane)
-        for dep in deps:
-            dependants = dep._dependants
-            if dependants is None:
-                dep._dependants = [fut]
-            else:
-                dependants.append(fut)
 
     # -- issuing and settling (lock held) ------------------------------------------------
 
