@@ -553,8 +553,9 @@ class Communicator:
                                 b.ranges, writes, None, b.nbytes, [*after, plan.exchange],
                                 plan.finish, b.obj, (lanes, plan.choose), name=name)
         slot = choice[0]
-        checked = slot.backend.capabilities.aborts_on_mismatch
-        if recv is not None and o is not None and not checked:
+        # A backend that ends the process on counts that do not fit gets them checked first.
+        to_check = slot.backend.capabilities.aborts_on_mismatch
+        if recv is not None and o is not None and not to_check:
             return self._submit(OpKind.ALLTOALLV, slot, slot.backend.start_alltoallv,
                                 (slot.group, b, send, o, recv), b.ranges, writes, o.obj,
                                 b.nbytes, after, hold=b.obj, name=name)
