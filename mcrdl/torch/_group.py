@@ -166,6 +166,14 @@ def _op(opts: Any) -> tuple[ReduceOp, Any]:
     return op, None
 
 
+def _int_avg(op: ReduceOp, tensors: list[torch.Tensor]) -> bool:
+    """Whether AVG on these tensors runs as SUM, then a division truncating toward zero:
+    torch's NCCL averages integer tensors so, and its clients rely on it (Lightning averages
+    its integer batch counts with AVG on every backend but gloo). mcrdl's own API refuses it."""
+    return op is ReduceOp.AVG and any(
+        not (t.is_floating_point() or t.is_complex()) for t in tensors)
+
+
 def _each(one: Callable[[torch.Tensor, torch.Tensor, Any], _Work], outputs: list[torch.Tensor],
           inputs: list[torch.Tensor], opts: Any) -> _Work:
     """A coalesced call: ``one`` per (output, input) pair, as one Work."""
@@ -244,7 +252,15 @@ class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
             for t in tensors:  # (the result overwrites them anyway)
                 t.mul_(factor)
         b = self._backend()
-        return _Work([self.comm.allreduce(t, op, backend=b) for t in tensors], tensors)
+        if not _int_avg(op, tensors):
+            return _Work([self.comm.allreduce(t, op, backend=b) for t in tensors], tensors)
+        futs = [self.comm.allreduce(t, ReduceOp.SUM, backend=b) for t in tensors]
+
+        def then() -> None:
+            for t in tensors:
+                t.div_(self.comm.size, rounding_mode="trunc")
+
+        return _Work(futs, tensors, then)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
         return self.allreduce(tensors, opts)
@@ -258,6 +274,15 @@ class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
         op, factor = _op(opts)
         b = self._backend()
         root = opts.rootRank
+        if _int_avg(op, tensors):
+            futs = [self.comm.reduce(t, root, ReduceOp.SUM, backend=b) for t in tensors]
+
+            def divide() -> None:
+                if self.comm.rank == root:
+                    for t in tensors:
+                        t.div_(self.comm.size, rounding_mode="trunc")
+
+            return _Work(futs, tensors, divide)
         if factor is None:
             return _Work([self.comm.reduce(t, root, op, backend=b) for t in tensors], tensors)
         # Scaled copies: the inputs of the other ranks stay as they were.

@@ -67,6 +67,14 @@ def test_collectives_of_every_kind(backend):
             t = bits.clone()
             dist.all_reduce(t, op=op)
             assert t.tolist() == want, op
+        # AVG on integers: a sum, then a division truncating toward zero (as torch's NCCL).
+        t = torch.tensor([r, -r, 7], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        half = n * (n - 1) // 2
+        assert t.tolist() == [half // n, -(half // n), 7]
+        t = torch.tensor([r + 1], dtype=torch.int32)
+        dist.reduce(t, dst=0, op=dist.ReduceOp.AVG)
+        assert t.tolist() == [(n * (n + 1) // 2) // n if r == 0 else r + 1]
         premul = dist._make_nccl_premul_sum(0.5)
         t = torch.full((2,), float(r + 1))
         dist.all_reduce(t, op=premul)
