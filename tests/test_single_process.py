@@ -73,8 +73,8 @@ _KEEPALIVE_OPS = {
     "scatter": lambda c, x, b: c.scatter(x, backend=b),
     "reduce_scatter": lambda c, x, b: c.reduce_scatter(x, backend=b),
     "alltoall": lambda c, x, b: c.alltoall(x, backend=b),
-    "alltoallv": lambda c, x, b: c.alltoallv(x, [4], [4], backend=b),
-    "alltoallv exchanging counts": lambda c, x, b: c.alltoallv(x, [4], backend=b),
+    "alltoallv": lambda c, x, b: c.alltoallv(x, [x.numel()], [x.numel()], backend=b),
+    "alltoallv exchanging counts": lambda c, x, b: c.alltoallv(x, [x.numel()], backend=b),
 }
 
 
@@ -85,7 +85,8 @@ def test_an_operation_in_flight_keeps_its_buffers_alive(backend):
     the runtime keeps them alive until then, and no longer."""
     with mcrdl.init(timeout=60, progress_thread=False) as comm:
         for name, submit in _KEEPALIVE_OPS.items():
-            x = torch.arange(4, dtype=torch.float32)
+            # 4 MiB: long enough to copy that gloo's thread is still at it when checked here.
+            x = torch.arange(1 << 20, dtype=torch.float32)
             ref = weakref.ref(x)
             fut = submit(comm, x, backend)
             del x
