@@ -76,7 +76,9 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--device", default="cpu",
                        help="where the buffers are: cpu, cuda (the current GPU), or both "
                             "(cpu,cuda)")
-        s.add_argument("--no-progress", action="store_true", help="no progress bar")
+        s.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                       help="a progress bar on rank 0 (default: only when its stderr is a "
+                            "terminal, which under mpiexec it is not: --progress shows it)")
         if name == "bench":
             s.add_argument("--format", choices=("table", "osu", "csv", "json"), default="table")
             s.add_argument("--output", help="write the report here instead of stdout")
@@ -199,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 points += sweep(comm, ops, sizes, dtypes, names,
                                 raw=args.command == "bench" and not args.no_raw,
                                 warmup=args.warmup, budget=args.budget,
-                                progress=not args.no_progress, device=device)
+                                progress=args.progress, device=device)
             except ValueError as exc:  # (every rank finds the same)
                 if comm.rank == 0:
                     print(f"--device {args.device}: {exc}", file=sys.stderr)

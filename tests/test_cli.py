@@ -12,19 +12,25 @@ from tests.launch import run_ranks
 
 pytestmark = pytest.mark.multirank
 
-SMALL = ["--sizes", "4:1K", "--budget", "0.01", "--warmup", "2", "--no-progress"]
+QUICK = ["--sizes", "4:1K", "--budget", "0.01", "--warmup", "2"]
+SMALL = [*QUICK, "--no-progress"]
+#: tqdm's bar when it ends: "100%|##########| 5/5 [00:00<00:00, ...point/s, ...]".
+BAR = re.compile(r"100%\|\S+\| (\d+)/\1 \[")
 
 
-def _run(args, timeout=240):
+def _run(args, timeout=240, progress=False):
     proc = run_ranks(2, ["-m", "mcrdl", *args], timeout=timeout)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    # The bar: on rank 0 only, and only where asked, since ranks write to mpiexec's pipes.
+    assert len(BAR.findall(proc.stderr)) == (1 if progress else 0), proc.stderr[-3000:]
     return proc.stdout
 
 
 def test_bench_json_and_plot(tmp_path):
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     _run(["bench", "--ops", "allreduce,alltoall,barrier", "--dtypes", "float32,bfloat16",
-          "--format", "json", "--output", str(out), "--plot", str(png), *SMALL])
+          "--format", "json", "--output", str(out), "--plot", str(png), *QUICK, "--progress"],
+         progress=True)
     doc = json.loads(out.read_text())
     assert doc["meta"]["world_size"] == 2 and "MPICH" in doc["meta"]["mpi_library"]
     points = doc["points"]
@@ -62,7 +68,7 @@ def test_bench_table_and_osu_layouts(tmp_path):
 def test_tune_writes_a_table_that_init_accepts(tmp_path):
     path = tmp_path / "t.json"
     out = _run(["tune", "--ops", "allreduce,alltoall", "--dtypes", "float32", "--output",
-                str(path), *SMALL])
+                str(path), *QUICK])  # no flag: no bar, since stderr is not a terminal
     assert "wrote" in out
     table = TuningTable.load(str(path))
     assert {e.op for e in table.entries} == {"allreduce", "alltoall"}

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from ..core._errors import MCRDLError
 from ..core._types import DType, ReduceOp
@@ -295,10 +296,13 @@ def sweep(
     warmup: int = 5,
     budget: float = 0.2,
     max_iters: int = 10000,
-    progress: bool = False,
+    progress: bool | None = False,
     device: str = "cpu",
 ) -> list[Point]:
     """Measure every (op, size, dtype, backend); ``None`` in ``backends`` means auto.
+
+    ``progress``: a progress bar on rank 0's stderr (None: only when that is a terminal;
+    under ``mpiexec`` it is a pipe to the launcher, so ``True`` is what shows it there).
 
     ``device``: where the buffers are (``"cpu"``, ``"cuda"``: the current GPU). Points a
     backend cannot run (a dtype it cannot reduce, a device it cannot reach) are left out.
@@ -319,8 +323,11 @@ def sweep(
             for size in (sizes if op != "barrier" else [0])]
     rawer = _Raw(comm, device) if raw else None
     points: list[Point] = []
-    total = len(plan)
-    for step, (op, dtype, size) in enumerate(plan):
+    # Rank 0 only; disable=None is tqdm's "only on a terminal".
+    bar = tqdm(total=len(plan), file=sys.stderr, unit="point", dynamic_ncols=True,
+               disable=True if comm.rank != 0 or progress is False
+               else None if progress is None else False)
+    for op, dtype, size in plan:
         itemsize = _itemsize(dtype)
         elems = _elements(op, size, itemsize, n) if op != "barrier" else 1
         tdtype = getattr(torch, dtype)
@@ -342,10 +349,9 @@ def sweep(
                                 round(algbw * BUS_FACTOR(op, n), 4), iters,
                                 0 if op in _ROOTED else -1,
                                 redop.value if op in _REDUCING else "none", device))
-        if progress and comm.rank == 0:
-            _bar(step + 1, total, f"{op} {dtype} {size}B")
-    if progress and comm.rank == 0:
-        sys.stderr.write("\n")
+        bar.set_postfix_str(f"{op} {dtype} {size}B", refresh=False)
+        bar.update()
+    bar.close()
     return points
 
 
@@ -363,10 +369,3 @@ def _runs(comm: Any, name: str, op: str, dtype: str, redop: ReduceOp, device: st
     except MCRDLError:
         return False
     return True
-
-
-def _bar(done: int, total: int, what: str) -> None:
-    width = 30
-    filled = width * done // max(total, 1)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what:<32}")
-    sys.stderr.flush()
