@@ -24,8 +24,8 @@ ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
        "MCRDL_TIMEOUT": "30", "MCRDL_MULTIRANK": "1"}
 
 
-def _run(hosts: int, argv: list[str], timeout: float = 240, **kw) -> str:
-    result = Cluster(hosts).run([sys.executable, *argv], timeout=timeout, cwd=ROOT,
+def _run(hosts: int, argv: list[str], timeout: float = 240, ipv6: bool = False, **kw) -> str:
+    result = Cluster(hosts, ipv6=ipv6).run([sys.executable, *argv], timeout=timeout, cwd=ROOT,
                                 env={**ENV, **kw.pop("env", {})}, **kw)
     assert result.returncode == 0, f"exit {result.returncode}:\n{result.output[-8000:]}"
     return result.output
@@ -36,12 +36,27 @@ def test_each_rank_binds_the_interface_that_reaches_rank_0_and_both_backends_cro
     out = _run(hosts, ["tests/ranks/cluster_check.py"])
     found = dict(re.findall(r"host rank=(\d+) address=(\S+)", out))
     assert found == {str(i): f"198.18.0.{10 + i}" for i in range(hosts)}, out[-3000:]
-    links = re.findall(r"link rank=(\d+) backend=(\w+) sent=(\d+) payload=(\d+)", out)
+    links = re.findall(r"link rank=(\d+) backend=(\w+) dev=eth0 sent=(\d+) payload=(\d+)", out)
     assert len(links) == 2 * hosts, out[-3000:]
     for rank, backend, sent, payload in links:
         # An allreduce sends at least (n-1)/n of the payload from every rank; nothing is
         # sent on the link when a backend takes shared memory or loopback instead.
         assert int(sent) >= int(payload) * (hosts - 1) // hosts, (rank, backend, sent)
+
+
+def test_an_ipv6_network_is_found_and_gloo_crosses_it():
+    """Hosts whose first network is IPv6 only (``data0``), launched over another (IPv4):
+    rank 0 offers both, the first every rank reaches is the IPv6 one, and gloo's allreduce
+    crosses it. (MPI keeps the network its launcher gave it.)"""
+    out = _run(2, ["tests/ranks/cluster_check.py"], ipv6=True)
+    found = dict(re.findall(r"host rank=(\d+) address=(\S+)", out))
+    assert found == {"0": "fd18::10", "1": "fd18::11"}, out[-3000:]
+    links = {(int(r), b, d): int(n) for r, b, d, n in
+             re.findall(r"link rank=(\d+) backend=(\w+) dev=(\w+) sent=(\d+)", out)}
+    half = (4 << 20) // 2  # what an allreduce of 4 MiB sends at least, from each of 2 ranks
+    for r in (0, 1):
+        assert links[(r, "gloo", "data0")] >= half > links[(r, "gloo", "eth0")], links
+        assert links[(r, "mpi", "eth0")] >= half > links[(r, "mpi", "data0")], links
 
 
 @pytest.mark.parametrize("hosts", [2, pytest.param(4, marks=pytest.mark.slow)])

@@ -35,6 +35,7 @@ from ._netaddr import (
     LOOPBACK,
     Listeners,
     describe_reach,
+    family,
     local_addresses,
     net_identity,
     probe,
@@ -65,15 +66,16 @@ def _route_to(env: Mapping[str, str]) -> str:
     master = env.get("MASTER_ADDR")
     if not master:
         return socket.gethostbyname(socket.gethostname())
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((socket.gethostbyname(master), 9))  # a routing lookup: nothing is sent
-        except OSError as exc:
-            raise BackendUnavailableError(
-                f"no route from this host to MASTER_ADDR={master!r} ({exc}); set MCRDL_HOST"
-                " to the interface that reaches it"
-            ) from exc
-        return str(s.getsockname()[0])
+    try:
+        fam, _, _, _, where = socket.getaddrinfo(master, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(fam, socket.SOCK_DGRAM) as s:
+            s.connect(where)  # a routing lookup: nothing is sent
+            return str(s.getsockname()[0])
+    except OSError as exc:
+        raise BackendUnavailableError(
+            f"no route from this host to MASTER_ADDR={master!r} ({exc}); set MCRDL_HOST"
+            " to the interface that reaches it"
+        ) from exc
 
 
 def import_mpi() -> Any:
@@ -279,11 +281,20 @@ class Bootstrap:
         comm = self._mpi_comm
         why = ""
         if self.rank == 0:
-            store, port = self._serve(timeout)
             host = self.host
+            try:
+                store, port = self._serve(timeout)
+            except Exception as exc:
+                # Every rank waits in the bcast below for the store's address: tell them.
+                comm.bcast((host, None), root=0)
+                raise BackendUnavailableError(
+                    f"rank 0 could not serve the store on {host}: {exc}") from exc
             comm.bcast((host, port), root=0)
         else:
             host, port = comm.bcast(None, root=0)
+            if port is None:
+                raise BackendUnavailableError(
+                    f"rank 0 could not serve the store on {host} (its error says why)")
             try:
                 store = dist.TCPStore(host, port, self.size, False, timeout)  # type: ignore[attr-defined]
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
@@ -304,7 +315,7 @@ class Bootstrap:
         interface), and its port."""
         import torch.distributed as dist
 
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock = socket.socket(family(self.host), socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, 0))
         sock.listen(max(self.size, 16))

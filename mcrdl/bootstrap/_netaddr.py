@@ -7,27 +7,26 @@ of them at once (a real TCP handshake, not a routing-table lookup: a route throu
 gateway can exist to an address nothing answers on), and the first of rank 0's addresses
 that every rank reached is the rendezvous. Each rank binds its own sockets (gloo's) to the
 local address its connection to rank 0 left from: the interface that reaches rank 0. Nothing
-is ever bound to a wildcard address.
+is ever bound to a wildcard address. IPv4 and IPv6 alike: an interface's IPv4 addresses are
+offered before its IPv6 ones, and link-local IPv6 addresses (``fe80::/10``, meaningful only
+with the interface named) are left out.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
+import ipaddress
 import os
 import select
 import socket
-import struct
 import time
 
-__all__ = ["LOOPBACK", "Listeners", "describe_reach", "local_addresses", "net_identity", "probe",
-           "resolve_host"]
+import psutil
+
+__all__ = ["LOOPBACK", "Listeners", "describe_reach", "family", "local_addresses", "net_identity",
+           "probe", "resolve_host"]
 
 LOOPBACK = "127.0.0.1"
-_SIOCGIFFLAGS = 0x8913
-_SIOCGIFADDR = 0x8915
-_IFF_UP = 0x1
-_IFF_LOOPBACK = 0x8
 
 
 def net_identity() -> str:
@@ -47,25 +46,38 @@ def net_identity() -> str:
     return "/".join(parts)
 
 
-def _ioctl(sock: socket.socket, request: int, name: str) -> bytes:
-    return fcntl.ioctl(sock.fileno(), request, struct.pack("256s", name.encode()[:15]))
-
-
 def local_addresses() -> list[tuple[str, str]]:
-    """``(interface, IPv4 address)`` of every interface that is up and not loopback, in the
-    kernel's interface order."""
+    """``(interface, address)`` of every interface that is up and not loopback, in the
+    kernel's interface order: per interface its IPv4 addresses, then its IPv6 ones (not
+    link-local)."""
+    stats = psutil.net_if_stats()
     out: list[tuple[str, str]] = []
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                flags = struct.unpack("H", _ioctl(s, _SIOCGIFFLAGS, name)[16:18])[0]
-                if not flags & _IFF_UP or flags & _IFF_LOOPBACK:
-                    continue
-                addr = socket.inet_ntoa(_ioctl(s, _SIOCGIFADDR, name)[20:24])
-            except OSError:  # no IPv4 address on it
-                continue
-            out.append((name, addr))
+    def index(name: str) -> int:
+        try:
+            return socket.if_nametoindex(name)
+        except OSError:  # gone since
+            return 1 << 30
+
+    # psutil gives them in getifaddrs' order: every IPv4 address before any IPv6 one.
+    for name, addrs in sorted(psutil.net_if_addrs().items(), key=lambda kv: index(kv[0])):
+        st = stats.get(name)
+        if st is None or not st.isup or "loopback" in st.flags.split(","):
+            continue
+        for family in (socket.AF_INET, socket.AF_INET6):
+            for a in addrs:
+                if a.family == family and not _loopback_or_link_local(a.address):
+                    out.append((name, a.address))
     return out
+
+
+def _loopback_or_link_local(address: str) -> bool:
+    ip = ipaddress.ip_address(address.split("%")[0])
+    return ip.is_loopback or ip.is_link_local
+
+
+def family(address: str) -> socket.AddressFamily:
+    """The socket family of an address literal."""
+    return socket.AF_INET6 if ":" in address else socket.AF_INET
 
 
 def _describe(addresses: list[tuple[str, str]]) -> str:
@@ -73,8 +85,8 @@ def _describe(addresses: list[tuple[str, str]]) -> str:
 
 
 def resolve_host(value: str, what: str = "MCRDL_HOST") -> str:
-    """The local IPv4 address ``value`` names: an interface of this host (``eth0``), or one
-    of its addresses (or a name resolving to one).
+    """The local address ``value`` names: an interface of this host (``eth0``: its first
+    address, IPv4 before IPv6), or one of its addresses (or a name resolving to one).
 
     Raises:
         ValueError: ``value`` is neither, naming this host's interfaces and addresses.
@@ -84,11 +96,12 @@ def resolve_host(value: str, what: str = "MCRDL_HOST") -> str:
         if value == name:
             return address
     try:
-        addr: str | None = socket.gethostbyname(value)
+        found = {str(info[4][0]) for info in socket.getaddrinfo(value, None)}
     except OSError:
-        addr = None
-    if addr is not None and (addr.startswith("127.") or any(a == addr for _, a in mine)):
-        return addr
+        found = set()
+    for addr in sorted(found, key=lambda a: (family(a) == socket.AF_INET6, a)):
+        if ipaddress.ip_address(addr).is_loopback or any(a == addr for _, a in mine):
+            return addr
     raise ValueError(
         f"{what}={value!r} is neither an interface nor an address of this host"
         f" ({socket.gethostname()}: {_describe(mine)}); each rank binds its own address,"
@@ -105,7 +118,7 @@ class Listeners:
         self.sockets: list[socket.socket] = []
         self.offers: list[tuple[str, str, int]] = []  # (interface, address, port)
         for name, addr in addresses:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock = socket.socket(family(addr), socket.SOCK_STREAM)
             try:
                 sock.bind((addr, 0))
                 sock.listen(backlog)
@@ -127,7 +140,7 @@ def probe(offers: list[tuple[str, str, int]], timeout: float) -> list[str | None
     result: list[str | None] = [None] * len(offers)
     pending: dict[socket.socket, int] = {}
     for i, (_, addr, port) in enumerate(offers):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock = socket.socket(family(addr), socket.SOCK_STREAM)
         sock.setblocking(False)
         code = sock.connect_ex((addr, port))
         if code in (0, errno.EINPROGRESS):

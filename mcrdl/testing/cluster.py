@@ -17,6 +17,11 @@ separate hosts, but share this machine's host name, file system and cores.
 MPI is made to use TCP (``UCX_TLS=tcp,self`` on the host's one interface): MPICH's default
 UCX transport would otherwise use shared memory between namespaces and move nothing across
 the links. Nothing tells gloo or mcrdl which interface to use: finding it is what is tested.
+
+``Cluster(n, ipv6=True)`` gives every host a second network besides: ``data0``, IPv6 only
+(``fd18::<10+i>/64``, a unique local range) on a bridge of its own, made before ``eth0`` so
+that it is the first interface a host has, the way a cluster's fast network is often its own
+IPv6 fabric while its launcher talks over another.
 """
 
 from __future__ import annotations
@@ -35,6 +40,13 @@ __all__ = ["Cluster", "ClusterResult"]
 _UNSHARE = ["unshare", "--user", "--map-root-user", "--net", "--mount", "--pid", "--fork",
             "--kill-child", "--mount-proc"]
 _SUBNET = "198.18.0"
+_SUBNET6 = "fd18::"
+# The IPv6 network: nodad, so that an address is usable at once (not "tentative").
+_DATA_BRIDGE = "ip link add br1 type bridge && ip link set br1 up || exit 97"
+_DATA_LINK = ("ip link add d$i type veth peer name data0 netns h$i"
+              " && ip link set d$i master br1 up"
+              f" && ip -n h$i addr add {_SUBNET6}$((10 + i))/64 dev data0 nodad"
+              " && ip -n h$i link set data0 up || exit 97")
 
 _FAKE_SSH = """#!/bin/bash
 # hydra's ssh launcher runs: fake-ssh [options] HOST COMMAND...; run COMMAND in HOST's namespace.
@@ -48,10 +60,13 @@ D={dir}
 N={hosts}
 mount -t tmpfs none /run && mkdir -p /run/netns "$D/hosts" || exit 97
 ip link add br0 type bridge && ip link set br0 up || exit 97
+{data_bridge}
 hosts=""
 for i in $(seq 0 $((N - 1))); do
   a={subnet}.$((10 + i))
-  ip netns add h$i && ip link add v$i type veth peer name eth0 netns h$i \\
+  ip netns add h$i || exit 97
+  {data_link}
+  ip link add v$i type veth peer name eth0 netns h$i \\
     && ip link set v$i master br0 up && ip -n h$i addr add $a/24 dev eth0 \\
     && ip -n h$i link set eth0 up && ip -n h$i link set lo up || exit 97
   {shape}
@@ -94,12 +109,15 @@ class Cluster:
             as the machine copies.
     """
 
-    def __init__(self, hosts: int, rate: str | None = None) -> None:
+    def __init__(self, hosts: int, rate: str | None = None, ipv6: bool = False) -> None:
         if hosts < 1 or hosts > 200:
             raise ValueError(f"hosts={hosts} must be in [1, 200]")
         self.hosts = hosts
         self.rate = rate
+        self.ipv6 = ipv6
         self.addresses = [f"{_SUBNET}.{10 + i}" for i in range(hosts)]
+        #: Each host's address on ``data0`` (``ipv6=True``), else empty.
+        self.ipv6_addresses = [f"{_SUBNET6}{10 + i}" for i in range(hosts)] if ipv6 else []
 
     @staticmethod
     def unavailable() -> str | None:
@@ -150,6 +168,8 @@ class Cluster:
                          " burst 256kb latency 100ms || exit 97")
             script = _SCRIPT.format(
                 dir=shlex.quote(tmp), hosts=self.hosts, subnet=_SUBNET, shape=shape,
+                data_bridge=_DATA_BRIDGE if self.ipv6 else "",
+                data_link=_DATA_LINK if self.ipv6 else "",
                 during=f"( {during} ) &" if during else "", mpiexec=shlex.quote(mpiexec),
                 per_host=per_host, argv=" ".join(shlex.quote(a) for a in argv),
                 launcher_args=" ".join(shlex.quote(a) for a in launcher_args))

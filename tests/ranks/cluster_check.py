@@ -1,22 +1,28 @@
 """Across emulated hosts (tests/test_cluster.py): which address each rank bound, and the bytes
 each backend put on this host's link.
 
-Prints ``host rank=R address=A local_size=L``, then per backend ``link rank=R backend=B
-sent=<bytes> payload=<bytes>``: the growth of this namespace's interface counter across one
-4 MiB allreduce, which is zero if the backend took a shortcut (shared memory, loopback)
-instead of the link.
+Prints ``host rank=R address=A local_size=L``, then per backend and link ``link rank=R
+backend=B dev=D sent=<bytes> payload=<bytes>``: the growth of this namespace's interface
+counters across one 4 MiB allreduce, which is zero on every link if the backend took a
+shortcut (shared memory, loopback) instead.
 """
+
+import os
 
 import torch
 
 import mcrdl
 
 PAYLOAD = 4 << 20
+DEVICES = sorted(d for d in os.listdir("/sys/class/net") if d != "lo")
 
 
-def sent() -> int:
-    with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
-        return int(f.read())
+def sent() -> dict[str, int]:
+    counts = {}
+    for dev in DEVICES:
+        with open(f"/sys/class/net/{dev}/statistics/tx_bytes") as f:
+            counts[dev] = int(f.read())
+    return counts
 
 
 comm = mcrdl.init()
@@ -29,6 +35,7 @@ for backend in ("mpi", "gloo"):
     comm.allreduce(x, backend=backend).wait()
     after = sent()
     assert torch.all(x == comm.size * (comm.size + 1) / 2), (backend, x[:4])
-    print(f"link rank={comm.rank} backend={backend} sent={after - before} payload={PAYLOAD}",
-          flush=True)
+    for dev in DEVICES:
+        print(f"link rank={comm.rank} backend={backend} dev={dev} "
+              f"sent={after[dev] - before[dev]} payload={PAYLOAD}", flush=True)
 mcrdl.finalize()
