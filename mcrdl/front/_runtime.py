@@ -581,9 +581,11 @@ def init(
         fusion_bytes: the most bytes one fused allreduce carries: small named allreduces
             agreed in one round run as one (`mcrdl.engine._fusion`); 0 turns fusion off.
             Every rank must pass the same (init() checks).
-        store, rank, world_size: bring the world up from a torch.distributed store shared by
-            ``world_size`` processes (this one being ``rank``), as torch's own
-            ``init_process_group(store=...)`` does, instead of from the launcher: gloo only.
+        store: bring the world up from this torch.distributed store, shared by
+            ``world_size`` processes, as torch's own ``init_process_group(store=...)`` does,
+            instead of from the launcher: gloo only.
+        rank: this process's rank in the store's world (with ``store``).
+        world_size: how many processes share the store (with ``store``).
 
     Raises:
         MCRDLError: a runtime is live already (use its communicator, or finalize first).

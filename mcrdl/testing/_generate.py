@@ -42,9 +42,12 @@ def programs(
     Args:
         backends: names to pick from for each step (each step's choice is the same on every
             rank, as rule 4 of docs/design.md requires); ``auto`` adds None (backend="auto").
-        kinds, dtypes, ops: what steps may use (AVG only on floating dtypes).
-        min_faults, max_faults: how many `Fault`s, each of a kind in ``faults``, at any
-            step, on any rank that takes part in it.
+        kinds: the operations steps may be.
+        dtypes: the dtypes steps may use.
+        ops: the reductions steps may use (AVG only on floating dtypes).
+        min_faults: the fewest `Fault`s, each of a kind in ``faults``, at any step, on any
+            rank that takes part in it.
+        max_faults: the most of them.
         named: group runs of independent collectives into concurrent blocks of named
             operations, each rank submitting each block in an order of its own.
         device: slots on each rank's simulated device, and ``"kernel"`` steps among the

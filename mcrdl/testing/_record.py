@@ -354,7 +354,9 @@ def replay_ranks(recordings: Sequence[Recording], *, seeds: Iterable[int] = rang
 
     Args:
         recordings: one per rank of the recorded world, in any order.
-        seeds, semantics, world_args: as for `check_step`.
+        seeds: as for `check_step`.
+        semantics: as for `check_step`.
+        world_args: as for `check_step`.
         rename: backend names the simulated world lacks (it has ``"mpi"`` and ``"gloo"``), to
             the one to replay them on: ``{"nccl": "gloo"}``.
 

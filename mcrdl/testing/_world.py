@@ -154,9 +154,9 @@ class SimWorld:
             arrives.
         stream: ``"lane"`` (a stream per group, as mcrdl does) or ``"backend"`` (one per
             backend and rank) for ``"nccl"`` semantics.
-        engine_factory, selector_factory: replace the engine or selector of every rank
-            (the test suite uses them to show that broken policies are caught); the engine
-            factory takes `Engine`'s keyword arguments.
+        engine_factory: replaces the engine of every rank (the test suite uses it to show
+            that broken policies are caught); it takes `Engine`'s keyword arguments.
+        selector_factory: replaces the selector of every rank, likewise.
         wrap_blocking: False calls blocking backends inline (a broken policy, for the tests).
         debug: check every collective's fingerprint (as ``MCRDL_DEBUG=1`` does).
         device: give every rank a simulated device (`mcrdl.testing._device`), which every
