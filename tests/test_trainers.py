@@ -2,7 +2,8 @@
 
 PyTorch Lightning's DDP strategy (under ``mpiexec``, and under Lightning's own launcher) with
 ``sync_dist`` logging, early stopping and a checkpoint; DeepSpeed's ZeRO stages 1, 2 and 3
-under torchrun. Each runs its example (``examples/lightning_ddp.py``,
+under torchrun; accelerate and the transformers Trainer over a group made first
+(``tests/ranks/hf_check.py``). Each runs its example (``examples/lightning_ddp.py``,
 ``examples/deepspeed_zero.py``) at 2 ranks on both backends and compares what they ended with:
 at 2 ranks a sum has one order, so the parameters are equal bit for bit.
 """
@@ -23,13 +24,15 @@ pytestmark = pytest.mark.multirank
 
 
 def _run(argv: list[str], out: Path, launcher: str) -> dict:
+    """Run ``argv`` at 2 ranks; what it wrote to ``out`` (its last argument, or ``--out``)."""
+    argv = [*argv, str(out)] if argv[0].startswith("tests/") else [*argv, "--out", str(out)]
     if launcher == "lightning":  # one process; Lightning starts the second itself
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MCRDL_TIMEOUT": "30"}
-        proc = subprocess.run([sys.executable, *argv, "--out", str(out)], cwd=ROOT, env=env,
+        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=180,
                               start_new_session=True)
     else:
-        proc = run_ranks(2, [*argv, "--out", str(out)], timeout=180, launcher=launcher)
+        proc = run_ranks(2, argv, timeout=180, launcher=launcher)
     assert proc.returncode == 0 and out.exists(), (proc.stdout + proc.stderr)[-8000:]
     return json.loads(out.read_text())
 
@@ -63,3 +66,15 @@ def test_deepspeed_zero_stages_over_mcrdl_end_as_over_gloo(tmp_path):
         got, reference = ends["mcrdl"][stage], ends["gloo"][stage]
         assert got["losses"][-1] < got["losses"][0] / 2, got["losses"]  # it trains
         assert got == reference, stage
+
+
+def test_accelerate_and_the_hf_trainer_take_a_group_made_first(tmp_path):
+    """Both refuse the name "mcrdl" on CPU (accelerate rewrites an unknown backend to gloo
+    and raises); over a default group made first they train, as over gloo."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("transformers")
+    ends = {b: _run(["tests/ranks/hf_check.py", b], tmp_path / f"{b}.json", "torchrun")
+            for b in ("mcrdl", "gloo")}
+    assert ends["mcrdl"]["backend"] == "mcrdl"
+    assert ends["mcrdl"]["accelerate"] == ends["gloo"]["accelerate"]
+    assert ends["mcrdl"]["trainer"] == ends["gloo"]["trainer"]
