@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..core._errors import BackendError, BackendUnavailableError
+from ..core._errors import BackendError, BackendUnavailableError, DesyncError
 from ..core._forever import forever
 from ..core._types import REDUCING, DType, OpKind, ReduceOp
 from ._contract import Backend, Capabilities, Rendezvous, Request
@@ -138,7 +138,7 @@ class _Segmented:
         self.op = op
         self.error: BaseException | None = None
 
-    def Test(self) -> bool:  # noqa: N802 - quacks like an MPI.Request for MPIBackend.test
+    def Test(self, status: Any = None) -> bool:  # noqa: N802 - quacks like an MPI.Request
         """Advance this operation's segments; True once all have finished."""
         return self.backend._segment_test(self)
 
@@ -234,6 +234,11 @@ class MPIBackend(Backend):
         }
         self._testsome = MPI.Request.Testsome
         self._statuses: list[Any] = []
+        self._status = MPI.Status()
+        #: The receives in flight, by id of their request: (request, bytes expected, source,
+        #: tag). MPI completes a receive of a shorter message without an error, leaving the
+        #: rest of the buffer as it was; its status says how much came (`_received`).
+        self._receives: dict[int, tuple[Request, int, int, int]] = {}
         ordered = _INTS | _REALS | {DType.FLOAT16, DType.BFLOAT16}
         ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD,
                ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX, ReduceOp.BAND: MPI.BAND,
@@ -363,7 +368,9 @@ class MPIBackend(Backend):
         return group.comm.Isend(self._msg(buf), dst, tag)
 
     def start_recv(self, group: _MPIGroup, buf: Buffer, src: int, tag: int) -> Request:
-        return group.comm.Irecv(self._msg(buf), src, tag)
+        req = group.comm.Irecv(self._msg(buf), src, tag)
+        self._receives[id(req)] = (req, buf.nbytes, src, tag)
+        return req
 
     def start_broadcast(self, group: _MPIGroup, buf: Buffer, root: int) -> Request:
         return group.comm.Ibcast(self._msg(buf), root)
@@ -473,11 +480,14 @@ class MPIBackend(Backend):
     def test(self, requests: list[Request]) -> list[tuple[int, BaseException | None]]:
         if len(requests) == 1:
             try:
-                return [(0, None)] if requests[0].Test() else []
+                if not requests[0].Test(self._status):
+                    return []
             except self._MPI.Exception as exc:
+                self._receives.pop(id(requests[0]), None)
                 return [(0, self._error(exc))]
             except BackendError as exc:
                 return [(0, exc)]
+            return [(0, self._received(requests[0], self._status) if self._receives else None)]
         if _Segmented in map(type, requests):  # (C-level scan: polls see every request)
             return self._test_each(requests)
         statuses = self._statuses
@@ -487,13 +497,40 @@ class MPIBackend(Backend):
             done = self._testsome(requests, statuses)
         except self._MPI.Exception:
             return self._failed_some(requests, statuses)
-        return [(i, None) for i in done] if done else []
+        if not done:
+            return []
+        if not self._receives:
+            return [(i, None) for i in done]
+        # Testsome's statuses are in the order of ``done``.
+        return [(i, self._received(requests[i], statuses[j])) for j, i in enumerate(done)]
 
     def test_one(self, request: Request) -> bool:
         try:
-            return request.Test()  # type: ignore[no-any-return]  # a bool
+            if not request.Test(self._status):
+                return False
         except self._MPI.Exception as exc:
+            self._receives.pop(id(request), None)
             raise self._error(exc) from exc
+        if self._receives:
+            error = self._received(request, self._status)
+            if error is not None:
+                raise error
+        return True
+
+    def _received(self, request: Request, status: Any) -> BaseException | None:
+        """For a finished receive: a DesyncError if a shorter message than it expects came
+        (the stream stays in step: the whole message was taken). None for anything else."""
+        entry = self._receives.pop(id(request), None)
+        if entry is None or entry[0] is not request:
+            return None
+        got = status.Get_count(self._MPI.BYTE)
+        _, nbytes, src, tag = entry
+        if got == nbytes:
+            return None
+        return DesyncError(
+            f"a receive of {nbytes} bytes from rank {status.Get_source()} (tag {tag}) got a "
+            f"message of {got} bytes: the sender's buffer is smaller than the receiver's; "
+            "send and receive buffers of one size")
 
     @staticmethod
     def _error(exc: Any) -> BackendError:
@@ -505,9 +542,10 @@ class MPIBackend(Backend):
         out: list[tuple[int, BaseException | None]] = []
         for i, req in enumerate(requests):
             try:
-                if req.Test():
-                    out.append((i, None))
+                if req.Test(self._status):
+                    out.append((i, self._received(req, self._status)))
             except self._MPI.Exception as exc:
+                self._receives.pop(id(req), None)
                 out.append((i, self._error(exc)))
             except BackendError as exc:
                 out.append((i, exc))

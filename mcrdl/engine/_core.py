@@ -556,8 +556,8 @@ class Engine(Places, Edges, Breaks, Events, Idling):
                                 break
                         else:
                             progressed = False
-                except BackendError as exc:
-                    error = exc
+                except MCRDLError as exc:  # (as ``test`` reports it: BackendError, or
+                    error = exc            # DesyncError for a receive of a short message)
                 except Exception as exc:  # noqa: BLE001 - a backend's failure fails it
                     error = BackendError(
                         f"{lone.kind}#{lone.seq} on {lone.lane.backend_name}: {exc}")

@@ -132,6 +132,29 @@ def test_send_recv_bfloat16_and_empty(comm):
             assert comm.recv(torch.empty(0), 0, tag=1, backend=backend).wait().numel() == 0
 
 
+def test_a_short_message_fails_its_mpi_receive_and_the_stream_stays_in_step(comm):
+    """MPI completes a receive of a shorter message without an error, the rest of the buffer
+    as it was: mcrdl fails it, naming both sizes, and the next message is the next one."""
+    if comm.size < 2 or comm.rank > 1:
+        return
+    if comm.rank == 0:
+        comm.send(torch.arange(4.0), 1, tag=3, backend="mpi").wait()
+        comm.send(torch.arange(8.0), 1, tag=3, backend="mpi").wait()
+        alone = comm.recv(torch.empty(4), 1, tag=4, backend="mpi")
+        with pytest.raises(mcrdl.DesyncError, match="got a message of 8 bytes"):
+            alone.wait()
+        return
+    # Both in flight at once (tested together), then one alone (tested by itself).
+    short = comm.recv(torch.full((8,), -1.0), 0, tag=3, backend="mpi")
+    full = comm.recv(torch.empty(8), 0, tag=3, backend="mpi")
+    with pytest.raises(mcrdl.DesyncError, match=r"a receive of 32 bytes from rank 0 \(tag 3\) "
+                                                r"got a message of 16 bytes"):
+        short.wait()
+    assert full.wait().tolist() == list(map(float, range(8)))
+    if comm.rank == 1:
+        comm.send(torch.arange(2.0), 0, tag=4, backend="mpi").wait()
+
+
 # -- program order across backends ---------------------------------------------------------
 
 
