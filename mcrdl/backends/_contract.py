@@ -84,6 +84,9 @@ class Capabilities:
         aborts_on_mismatch: whether members whose alltoallv counts do not fit one another
             end the process (gloo: an exception in its own thread): the front then checks
             the counts across the members before the data exchange starts.
+        any_source: whether it receives from any source (``start_recv_any``), matched by
+            the backend in the order receives were started; ``source`` then says whom its
+            message came from.
     """
 
     ops: frozenset[OpKind]
@@ -101,6 +104,7 @@ class Capabilities:
     blocking_calls: bool = False
     issue_window: int = 0
     aborts_on_mismatch: bool = False
+    any_source: bool = False
 
     def can_reduce(self, op: ReduceOp, dtype: DType) -> bool:
         """Whether ``op`` on ``dtype`` is possible, natively or (AVG) as SUM then divide."""
@@ -284,6 +288,15 @@ class Backend(ABC):
         reaches their kind (``capabilities.direct``): the runtime then stages it. Default:
         never."""
         return False
+
+    def start_recv_any(self, group: Any, buf: Buffer, tag: int) -> Request:
+        """Receive into ``buf`` the first message of ``tag`` from any rank of ``group``
+        (``capabilities.any_source`` only)."""
+        raise NotImplementedError(f"{self.name} does not receive from any source")
+
+    def source(self, request: Request) -> int:
+        """The rank of the group a finished ``start_recv_any`` got its message from."""
+        raise NotImplementedError(f"{self.name} does not receive from any source")
 
     def describe_wait(self, request: Request) -> str | None:
         """What an unfinished request waits for, where the backend knows (e.g. "ranks [2]

@@ -115,6 +115,34 @@ class _MPIGroup:
         return f"<mpi group rank={self.rank}/{self.size}>"
 
 
+class _AnySource:
+    """A receive from any source: a matched probe (``Improbe``) of its tag until a message is
+    there, then the receive of that very message (``Message.Irecv``), so that its source is
+    known the moment the message is taken and no other receive can take it meanwhile."""
+
+    __slots__ = ("comm", "mem", "tag", "anyone", "source", "req")
+
+    def __init__(self, comm: Any, mem: Any, tag: int, anyone: int) -> None:
+        self.comm, self.mem, self.tag, self.anyone = comm, mem, tag, anyone  # (MPI_ANY_SOURCE)
+        self.source = -1
+        self.req: Any = None
+
+    def Test(self, status: Any) -> bool:  # noqa: N802 - quacks like an MPI.Request
+        """Probe, then receive; True once the message is in ``mem`` (``status``: the
+        receive's, which the backend reads)."""
+        if self.req is None:
+            message = self.comm.Improbe(self.anyone, self.tag, status)
+            if message is None:
+                return False
+            self.source = status.Get_source()
+            self.req = message.Irecv(self.mem)
+        return self.req.Test(status)  # type: ignore[no-any-return]
+
+    def __repr__(self) -> str:
+        return (f"<mpi receive from any source, tag {self.tag}: "
+                f"{'matched from rank %d' % self.source if self.req else 'no message yet'}>")
+
+
 class _Segmented:
     """A large allreduce cut into segments, a window of them in flight at a time.
 
@@ -268,6 +296,7 @@ class MPIBackend(Backend):
             },
             direct=frozenset({"cuda"}) if self.cuda_aware else frozenset(),
             cancel=False,
+            any_source=True,
             self_progressing=False,
             # One collective per communicator in flight: MPICH moves data only inside the
             # caller's tests, and tests of many nonblocking collectives at once advance them
@@ -371,6 +400,14 @@ class MPIBackend(Backend):
         req = group.comm.Irecv(self._msg(buf), src, tag)
         self._receives[id(req)] = (req, buf.nbytes, src, tag)
         return req
+
+    def start_recv_any(self, group: _MPIGroup, buf: Buffer, tag: int) -> Request:
+        req = _AnySource(group.comm, self._msg(buf), tag, self._MPI.ANY_SOURCE)
+        self._receives[id(req)] = (req, buf.nbytes, -1, tag)
+        return req
+
+    def source(self, request: Request) -> int:
+        return int(request.source)
 
     def start_broadcast(self, group: _MPIGroup, buf: Buffer, root: int) -> Request:
         return group.comm.Ibcast(self._msg(buf), root)
@@ -488,7 +525,7 @@ class MPIBackend(Backend):
             except BackendError as exc:
                 return [(0, exc)]
             return [(0, self._received(requests[0], self._status) if self._receives else None)]
-        if _Segmented in map(type, requests):  # (C-level scan: polls see every request)
+        if not _OWN_REQUESTS.isdisjoint(map(type, requests)):  # (C-level scan: every poll)
             return self._test_each(requests)
         statuses = self._statuses
         if len(statuses) < len(requests):
@@ -567,6 +604,10 @@ class MPIBackend(Backend):
             else:
                 out.append((i, BackendError(f"MPI: {MPI.Get_error_string(code)}")))
         return out
+
+
+#: Requests of this module's own, which MPI's Testsome cannot take.
+_OWN_REQUESTS = frozenset({_Segmented, _AnySource})
 
 
 def _numel(obj: Any) -> int:

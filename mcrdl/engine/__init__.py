@@ -3,6 +3,7 @@
 from ._core import Engine, EngineStats
 from ._future import CommFuture
 from ._idle import PollPolicy
-from ._lanes import CommState, Lane, OpRecord
+from ._lanes import ANY_PEER, CommState, Lane, OpRecord
 
-__all__ = ["CommFuture", "CommState", "Engine", "EngineStats", "Lane", "OpRecord", "PollPolicy"]
+__all__ = ["ANY_PEER", "CommFuture", "CommState", "Engine", "EngineStats", "Lane", "OpRecord",
+           "PollPolicy"]

@@ -34,6 +34,7 @@ from ..core._errors import (
 )
 from ..core._forever import forever
 from ._states import AGREEMENT_KIND, DONE, ISSUED, PENDING
+from ._lanes import ANY_PEER
 from ._tracks import with_carried
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ def linger(before: Callable[[], None] = lambda: None) -> None:
         if event is None:
             continue
         comm = fut.lane.comm
-        if fut.stream is not None:
+        if fut.stream is not None and fut.stream[0] != ANY_PEER:
             peer = comm.members[fut.stream[0]]
             if peer < comm.members[comm.rank] and peer in _WAITED_BY:
                 continue
@@ -121,8 +122,12 @@ def waited_by(comm: CommState) -> list[int]:
 def _unmatched(fut: CommFuture, known: dict[int, Stops]) -> bool:
     """Whether a member whose stops are ``known`` will never match ``fut``: a collective at or
     past any member's stop on its lane; a send or receive at or past its peer's stop on the
-    matching stream (the peer's receives from here, or sends to here, with that tag)."""
+    matching stream (the peer's receives from here, or sends to here, with that tag); a
+    receive from any source not yet matched, once any peer stopped (it cannot tell which of
+    them would have sent its message)."""
     key = fut.lane.key
+    if fut.stream is not None and fut.stream[0] == ANY_PEER:
+        return any(peer != fut.lane.rank for peer in known)
     if fut.stream is None:
         for stops in known.values():
             lane = stops.get(key)
@@ -256,6 +261,10 @@ class Breaks:
                 elif fut.lane is lane:
                     if fut.stream is None:
                         first = min(first, fut.index)
+                    elif fut.stream[0] == ANY_PEER:
+                        # It holds no position: every peer's stream of its tag toward this
+                        # rank already stops at the first position not taken.
+                        continue
                     else:
                         streams[fut.stream] = min(streams.get(fut.stream, fut.index),
                                                   fut.index)

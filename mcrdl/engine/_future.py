@@ -197,6 +197,16 @@ class CommFuture:
         """``"PENDING"``, ``"ISSUED"``, ``"DONE"``, ``"FAILED"`` or ``"CANCELLED"``."""
         return STATE_NAMES[self._state]
 
+    @property
+    def source(self) -> int | None:
+        """For a receive, the rank (in its communicator) its message came from: the one it
+        named, or for a receive from any source the one that sent it, once it finished
+        (None before). None for every other operation."""
+        stream = self.stream
+        if stream is None or stream[2] or stream[0] < 0:
+            return None
+        return stream[0]  # type: ignore[no-any-return]
+
     def done(self) -> bool:
         """True once the operation finished, failed or was cancelled."""
         return self._state >= DONE

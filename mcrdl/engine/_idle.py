@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..core._errors import CommTimeoutError, DesyncError
+from ._lanes import ANY_PEER
 from ._tracks import with_carried
 from ._states import DONE
 
@@ -330,7 +331,10 @@ class Idling:
             for fut in expired:
                 why = fut.lane.backend.describe_wait(fut._request)
                 what = f"{fut.kind}#{fut.seq}"
-                if fut.stream is not None:  # a send or receive: its peer and tag
+                if fut.stream is not None and fut.stream[0] == ANY_PEER:
+                    what += f" from any rank, tag {fut.stream[1]},"
+                    why = why or "no rank has sent it a message of that tag"
+                elif fut.stream is not None:  # a send or receive: its peer and tag
                     peer, tag, sends = fut.stream
                     what += f" {'to' if sends else 'from'} rank {peer}, tag {tag},"
                     why = why or (f"rank {peer} has not posted the matching "

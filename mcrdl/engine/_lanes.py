@@ -13,7 +13,11 @@ if TYPE_CHECKING:
     from ._names import Names
     from ._tracks import Track
 
-__all__ = ["CommState", "Lane", "OpRecord", "Stops"]
+__all__ = ["ANY_PEER", "CommState", "Lane", "OpRecord", "Stops"]
+
+#: The peer of a receive from any source, in its stream ``(peer, tag, sends)`` until a message
+#: matches it: it takes its position then, on the stream of the peer that sent it.
+ANY_PEER = -1
 
 #: Where a member stopped issuing on a broken communicator: per lane (by its ``key``), the
 #: index of the first collective it did not issue, and per stream ``(peer, tag, sends)`` the
@@ -184,9 +188,19 @@ class Lane:
         or among the sends or receives of ``stream``."""
         if stream is None:
             self.submitted = n = self.submitted + 1
+        elif stream[0] == ANY_PEER:
+            return 0  # (none yet: `matched`)
         else:
             self.streams[stream] = n = self.streams.get(stream, 0) + 1
         return n
+
+    def matched(self, fut: CommFuture, peer: int) -> None:
+        """A receive from any source got its message from ``peer``: it takes its position on
+        that peer's stream now. (No receive of its tag was submitted on this lane meanwhile:
+        the communicator refuses them until it has finished.)"""
+        _, tag, _ = fut.stream
+        fut.stream = stream = (peer, tag, False)
+        fut.index = self.take(stream)
 
     def records(self) -> list[OpRecord]:
         """The flight record: the last finished operations of this lane, oldest first."""

@@ -15,7 +15,7 @@ import numpy as np
 from ..core._buffers import Buffer, as_buffer, new_buffer
 from ..core._errors import CommClosedError, MCRDLError, UnsupportedOperationError
 from ..core._types import COLLECTIVES, DType, OpKind, ReduceOp
-from ..engine import CommFuture
+from ..engine import ANY_PEER, CommFuture
 from ..engine._names import Names
 from ..engine._states import CHECK_KIND
 from ._alltoallv import Exchanged
@@ -102,6 +102,8 @@ class Communicator:
         #: The devices the runtime's backends reach, by name (empty: host memory only).
         self._devices = runtime.devices
         self._sigs: dict[tuple[Any, ...], str] = {}  # named collectives' signatures
+        #: The last receive from any source per (backend, tag), while it may be unfinished.
+        self._any_source: dict[tuple[str, int], CommFuture] = {}
 
     # -- identity ------------------------------------------------------------------------
 
@@ -328,16 +330,46 @@ class Communicator:
                             stream=(dst, tag, True))
 
     def recv(
-        self, buf: Any, src: int, tag: int = 0, *, backend: str | None = None,
+        self, buf: Any, src: int | None, tag: int = 0, *, backend: str | None = None,
         after: Sequence[CommFuture] = (),
     ) -> CommFuture:
-        """Receive into ``buf`` from rank ``src`` (the same backend the sender chose)."""
+        """Receive into ``buf`` from rank ``src`` (the same backend the sender chose);
+        resolves to ``buf``.
+
+        ``src=None`` receives from any rank, whichever message of ``tag`` the backend
+        matches first (MPI, gloo; host buffers); ``fut.source`` then says whose it was. Until
+        it has finished, no other receive of ``tag`` on its backend may be submitted: which
+        position on which peer's stream it takes is known only then (rule 7).
+        """
         b = as_buffer(buf, "buf", True)
-        src = check_peer("src", src, self.size, self.rank)
+        if src is not None:
+            src = check_peer("src", src, self.size, self.rank)
         tag = check_tag(tag)
         slot, _ = self._choose(OpKind.RECV, b.dtype, None, b.nbytes, backend, b.device)
-        return self._submit(OpKind.RECV, slot, slot.backend.start_recv, (slot.group, b, src, tag),
-                            _NO_RANGES, b.ranges, buf, b.nbytes, after, stream=(src, tag, False))
+        key = (slot.backend.name, tag)
+        pending = self._any_source.get(key)
+        if pending is not None and pending.done():
+            del self._any_source[key]
+        elif pending is not None:
+            raise ValueError(
+                f"a receive of tag {tag} on {key[0]} while receive#{pending.seq} from any "
+                f"source of that tag is unfinished: wait for it first, or use another tag")
+        if src is None:
+            can = [n for n, s in self._slots.items() if s.backend.capabilities.any_source]
+            if not slot.backend.capabilities.any_source or b.device != "cpu":
+                raise UnsupportedOperationError(
+                    f"a receive from any source runs on {', '.join(can) or 'no backend here'}"
+                    f", into host memory; this one would be on {key[0]} into {b.device} "
+                    "memory: pass backend=, a host buffer, or src=")
+        if src is not None:
+            return self._submit(OpKind.RECV, slot, slot.backend.start_recv,
+                                (slot.group, b, src, tag), _NO_RANGES, b.ranges, buf, b.nbytes,
+                                after, stream=(src, tag, False))
+        fut = self._submit(OpKind.RECV, slot, slot.backend.start_recv_any, (slot.group, b, tag),
+                           _NO_RANGES, b.ranges, buf, b.nbytes, after,
+                           stream=(ANY_PEER, tag, False))
+        self._any_source[key] = fut
+        return fut
 
     # -- collectives ---------------------------------------------------------------------
 

@@ -109,11 +109,16 @@ def explain(dumps: dict[int, dict[str, Any]]) -> str:
     for rank, op, posted in messages:
         peer = op["peer"]
         side = "send" if op["op"] == "recv" else "receive"
+        who = "any rank" if peer == "any" else f"rank {peer}"
         lines.append(f"\nstuck: {op['op']}#{op['seq']} on rank {rank}"
-                     f" {'from' if op['op'] == 'recv' else 'to'} rank {peer}, tag {op['tag']},"
+                     f" {'from' if op['op'] == 'recv' else 'to'} {who}, tag {op['tag']},"
                      f" on lane {op['lane']} (communicator {op['comm']},"
                      f" {op['state'].lower()}, {op['age_s']:.1f} s)")
-        if posted is None:
+        if peer == "any":
+            lines.append(f"  a rank posted a send of tag {op['tag']} to it: both sides are in"
+                         " the backend" if posted else
+                         f"  no rank has posted a send of tag {op['tag']} to it")
+        elif posted is None:
             lines.append(f"  rank {peer}: {_instead(peer, dumps)}")
         elif posted:
             lines.append(f"  rank {peer} posted its {side}: both sides are in the backend (a"
@@ -147,13 +152,15 @@ def _messages(dumps: dict[int, dict[str, Any]]
             for op in lane["unfinished"]:
                 if op["op"] not in _P2P or "peer" not in op:
                     continue
-                other = dumps.get(op["peer"])
+                # A receive from any source: did any rank post a send to it?
+                others = ([d for r, d in dumps.items() if r != rank] if op["peer"] == "any"
+                          else [dumps[op["peer"]]] if op["peer"] in dumps else [])
                 posted = None
-                if other is not None:
+                if others:
                     want = "recv" if op["op"] == "send" else "send"
-                    posted = any(o["op"] == want and o.get("peer") == rank
+                    posted = any(o["op"] == want and o.get("peer") in (rank, "any")
                                  and o.get("tag") == op["tag"] and o["comm"] == op["comm"]
-                                 for peer_lane in other["lanes"]
+                                 for other in others for peer_lane in other["lanes"]
                                  for o in peer_lane["unfinished"])
                 found.append((rank, op, posted))
     return found

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..engine import Lane, OpRecord
+from ..engine import ANY_PEER, Lane, OpRecord
 from ..engine._states import DONE, PENDING, STATE_NAMES
 
 if TYPE_CHECKING:
@@ -58,6 +58,8 @@ def _peer_text(f: CommFuture) -> str:
     if f.stream is None:
         return ""
     peer, tag, sends = f.stream
+    if peer == ANY_PEER:
+        return f"from any rank tag {tag}"
     return f"{'to' if sends else 'from'} rank {f.lane.comm.members[peer]} tag {tag}"
 
 
@@ -68,7 +70,9 @@ def _op(f: CommFuture, now: float) -> dict[str, Any]:
           "issued": bool(f.t_issue), "age_s": round(now - f.t_submit, 6),
           "lane": f.lane.key, "comm": f.lane.comm_name}
     if f.stream is not None:
-        op["peer"], op["tag"] = f.lane.comm.members[f.stream[0]], f.stream[1]
+        peer = f.stream[0]
+        op["peer"] = "any" if peer == ANY_PEER else f.lane.comm.members[peer]
+        op["tag"] = f.stream[1]
     return op
 
 

@@ -42,6 +42,7 @@ import numpy as np
 
 from ..core._buffers import Buffer
 from ..core._types import ReduceOp
+from ..engine import ANY_PEER
 from ._programs import Program, Region, Step
 
 __all__ = ["Recording", "record", "replay", "replay_ranks"]
@@ -463,8 +464,8 @@ def _submit(comms: dict[str, Any], rec: Recording, i: int, futs: dict[int, Any],
         shape = (items // op.row, op.row) if op.row > 1 else (items,)
         buf = np.zeros(shape, dtype=op.dtype)
     kind = op.kind
-    if kind in ("send", "recv"):
-        return getattr(comm, kind)(buf, op.peer, op.tag, **kw)
+    if kind in ("send", "recv"):  # (a receive from any source was recorded with no peer)
+        return getattr(comm, kind)(buf, None if op.peer == ANY_PEER else op.peer, op.tag, **kw)
     kw["name"] = op.name
     if kind == "barrier":
         return comm.barrier(**kw)

@@ -111,8 +111,14 @@ class _Work(_c10d._Work):  # type: ignore[misc]
         return self._result
 
     def source_rank(self) -> int:
-        raise MCRDLError("source_rank() is for receives from any source, which the mcrdl "
-                         "backend does not offer")
+        """The rank of the group whose message a finished receive got (from any source)."""
+        self.wait()
+        source = self._futs[0].source if len(self._futs) == 1 else None
+        if source is None:
+            raise MCRDLError("source_rank() is for a receive's Work")
+        return source
+
+    _source_rank = source_rank  # (the name distributed_c10d calls)
 
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
         pending = [f for f in self._futs if not f.done()]
@@ -455,9 +461,8 @@ class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
         return _Work([self.comm.recv(t, src, tag, backend=b) for t in tensors], tensors)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> _Work:
-        raise UnsupportedOperationError(
-            "the mcrdl backend receives from a named rank only (peers match sends and "
-            "receives by stream); pass src= to dist.recv")
+        b = self._backend()
+        return _Work([self.comm.recv(t, None, tag, backend=b) for t in tensors], tensors)
 
     # -- argument checks -----------------------------------------------------------------
 

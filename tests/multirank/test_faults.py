@@ -64,6 +64,33 @@ def test_a_cancelled_collective_breaks_its_communicator_instead_of_matching_the_
     sub.close()
 
 
+def test_receives_from_any_source_across_a_break(comm):
+    """A receive from any source takes its position on the stream of the peer whose message
+    it got: rank 0's next receive from rank 1 is past rank 1's last send, so when the
+    communicator breaks it fails at once (CommBrokenError), as does a receive from any
+    source no message matched (it cannot tell which peer's stream would have fed it);
+    neither waits out the timeout."""
+    backend = "mpi"
+    sub = comm.split(0)
+    if sub.rank == 0:
+        first = sub.recv(torch.zeros(2), None, tag=5, backend=backend)
+        assert first.wait().tolist() == [1.0, 1.0] and first.source == 1
+        anyone = sub.recv(torch.zeros(2), None, tag=6, backend=backend)
+        named = sub.recv(torch.zeros(2), 1, tag=5, backend=backend)
+        assert "CommBrokenError" in _outcome(anyone), _outcome(anyone)
+        assert "CommBrokenError" in _outcome(named), _outcome(named)
+    elif sub.rank == 1:
+        sub.send(torch.ones(2), 0, tag=5, backend=backend).wait()
+        # Then it breaks the communicator: an allreduce the others issue, cancelled here.
+        gate = sub.recv(torch.zeros(1), 0, tag=1, backend=backend)
+        fb = sub.allreduce(torch.ones(1), backend=backend, after=[gate])
+        assert fb.cancel() is True
+        assert "CommBrokenError" in _outcome(gate)
+    if sub.rank != 1:
+        assert "CommBrokenError" in _outcome(sub.allreduce(torch.ones(1), backend=backend))
+    sub.close()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_dependency_failing_on_one_rank_breaks_the_communicator(comm, backend):
     """Rank 1's receive is truncated (a failure of its own); the allreduce that depends on

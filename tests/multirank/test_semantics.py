@@ -155,6 +155,38 @@ def test_a_short_message_fails_its_mpi_receive_and_the_stream_stays_in_step(comm
         comm.send(torch.arange(2.0), 0, tag=4, backend="mpi").wait()
 
 
+def test_receives_from_any_source(comm):
+    """Rank 0 receives every other rank's message from any source (MPI): each once, its
+    data with it; no other receive of that tag while it is unfinished; a receive named
+    after it gets the next message of its peer's stream. gloo refuses it, naming MPI."""
+    backend = "mpi"
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    with pytest.raises(mcrdl.UnsupportedOperationError,
+                       match="a receive from any source runs on mpi, into host memory"):
+        comm.recv(torch.empty(3), None, tag=9, backend="gloo")
+    if comm.rank != 0:  # the second message once rank 0 had every first one
+        comm.send(torch.full((3,), float(comm.rank)), 0, tag=9, backend=backend).wait()
+        comm.recv(torch.empty(1), 0, tag=11, backend=backend).wait()
+        comm.send(torch.full((3,), 10.0 * comm.rank), 0, tag=9, backend=backend).wait()
+        return
+    got = {}
+    for _ in range(comm.size - 1):
+        fut = comm.recv(torch.empty(3), None, tag=9, backend=backend)
+        with pytest.raises(ValueError, match=r"a receive of tag 9 on \w+ while receive#\d+ "
+                                             r"from any source of that tag is unfinished"):
+            comm.recv(torch.empty(3), 1, tag=9, backend=backend)
+        data = fut.wait()
+        assert fut.source not in got and data.tolist() == [float(fut.source)] * 3
+        got[fut.source] = True
+    assert sorted(got) == list(range(1, comm.size))
+    for peer in range(1, comm.size):
+        comm.send(torch.empty(1), peer, tag=11, backend=backend).wait()
+    for peer in range(1, comm.size):  # each peer's second message, by name
+        assert comm.recv(torch.empty(3), peer, tag=9, backend=backend).wait().tolist() == [
+            10.0 * peer] * 3
+
+
 # -- program order across backends ---------------------------------------------------------
 
 

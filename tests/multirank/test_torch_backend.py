@@ -368,6 +368,28 @@ def test_fsdp2_trains_like_one_process(backend):
     _assert_like_one_process(full, 3)
 
 
+def test_receives_from_any_source():
+    """``dist.recv`` without ``src`` returns the sender; ``irecv``'s Work names it (MPI)."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    if r == 0:
+        senders = []
+        for _ in range(n - 1):
+            t = torch.empty(2)
+            sender = dist.recv(t, tag=4)
+            assert t.tolist() == [float(sender)] * 2
+            senders.append(sender)
+        for _ in range(n - 1):
+            t = torch.empty(2)
+            work = dist.irecv(t, tag=5)
+            work.wait()
+            assert t.tolist() == [10.0 * work._source_rank()] * 2
+            senders.append(work._source_rank())
+        assert sorted(senders) == sorted(2 * list(range(1, n)))
+    else:
+        dist.send(torch.full((2,), float(r)), dst=0, tag=4)
+        dist.send(torch.full((2,), 10.0 * r), dst=0, tag=5)
+
+
 def test_bad_arguments_raise_at_the_call():
     n = dist.get_world_size()
     with pytest.raises(ValueError, match=f"list of {n} tensors"):
