@@ -105,6 +105,21 @@ def test_a_message_both_sides_posted_is_in_the_backend_and_no_cycle():
     assert "cycle" not in text
 
 
+def test_a_receive_from_any_source_is_matched_against_every_ranks_sends():
+    anyone = _op("recv", 2, 0, "mpi:world", peer="any", tag=5)
+    text = explain({0: _dump(0, [_lane("mpi:world", [0, 1, 2], 1, [anyone])], [anyone]),
+                    1: _dump(1, [_lane("mpi:world", [0, 1, 2], 1)]),
+                    2: _dump(2, [_lane("mpi:world", [0, 1, 2], 1)])})
+    assert "stuck: recv#2 on rank 0 from any rank, tag 5" in text, text
+    assert "no rank has posted a send of tag 5 to it" in text, text
+    send = _op("send", 2, 0, "mpi:world", peer=0, tag=5)
+    text = explain({0: _dump(0, [_lane("mpi:world", [0, 1, 2], 1, [anyone])], [anyone]),
+                    1: _dump(1, [_lane("mpi:world", [0, 1, 2], 1)]),
+                    2: _dump(2, [_lane("mpi:world", [0, 1, 2], 1, [send])], [send])})
+    assert "a rank posted a send of tag 5 to it: both sides are in the backend" in text, text
+    assert "rank 0 posted its receive: both sides are in the backend" in text, text
+
+
 def test_nothing_stuck():
     assert "nothing is stuck" in explain({0: _dump(0, [_lane("mpi:world", [0, 1], 4)])})
 
