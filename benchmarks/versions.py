@@ -2,6 +2,7 @@
 
     git worktree add /tmp/before <commit>
     mpiexec -n 2 python benchmarks/versions.py --other /tmp/before
+    mpiexec -n 2 python benchmarks/versions.py --other . --other-debug --backend gloo
 
 Both runtimes come up side by side in every rank (the other checkout's package is imported
 under another name), and each operation is timed on both in alternating pairs
@@ -9,6 +10,8 @@ under another name), and each operation is timed on both in alternating pairs
 minutes -- falls on both alike. Per call, the slowest rank's time counts (the time the
 operation took for the job); printed are the medians of each version and the median of the
 per-pair differences, in µs, with the raw blocking MPI call of the same size for scale.
+``--other-debug`` brings the other runtime up in debug mode (with ``--other .``: what debug
+mode's check of every collective costs, against the same code without it).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import mcrdl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import alternate, human, parse_sizes  # noqa: E402
 
-OPS = ("allreduce", "alltoall", "allgather", "broadcast")
+OPS = ("allreduce", "alltoall", "allgather", "broadcast", "sendrecv")
 
 
 def load_other(root: str) -> Any:
@@ -54,6 +57,14 @@ def call(comm: Any, op: str, x: torch.Tensor, out: torch.Tensor, backend: str) -
         return lambda: comm.broadcast(x, backend=backend).wait()
     if op == "alltoall":
         return lambda: comm.alltoall(x, out=out, backend=backend).wait()
+    if op == "sendrecv":  # an exchange with the neighbour (rank ^ 1): a receive and a send
+        peer = comm.rank ^ 1
+
+        def exchange() -> None:
+            r = comm.recv(out, peer, backend=backend)
+            comm.send(x, peer, backend=backend).wait()
+            r.wait()
+        return exchange
     return lambda: comm.allgather(x, out=out, backend=backend).wait()
 
 
@@ -72,6 +83,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="4,1K", help="global message sizes, e.g. 4,1K")
     parser.add_argument("--pairs", type=int, default=20000)
     parser.add_argument("--backend", default="mpi")
+    parser.add_argument("--other-debug", action="store_true",
+                        help="the other runtime in debug mode (init(debug=True))")
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat the whole comparison (the cells move between rounds)")
     parser.add_argument("--numpy", action="store_true",
@@ -79,7 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     other = load_other(args.other)
     new = mcrdl.init(backends=[args.backend])
-    old = other.init(backends=[args.backend])
+    old = other.init(backends=[args.backend], debug=args.other_debug)
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
@@ -128,6 +141,9 @@ def _raw(op: str, x: torch.Tensor, out: torch.Tensor) -> Any:
         return lambda: comm.Bcast(xs)
     if op == "alltoall":
         return lambda: comm.Alltoall(xs, os_)
+    if op == "sendrecv":
+        peer = comm.Get_rank() ^ 1
+        return lambda: comm.Sendrecv(xs, peer, recvbuf=os_, source=peer)
     return lambda: comm.Allgather(xs, os_)
 
 

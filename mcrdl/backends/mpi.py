@@ -263,10 +263,11 @@ class MPIBackend(Backend):
         self._testsome = MPI.Request.Testsome
         self._statuses: list[Any] = []
         self._status = MPI.Status()
-        #: The receives in flight, by id of their request: (request, bytes expected, source,
-        #: tag). MPI completes a receive of a shorter message without an error, leaving the
-        #: rest of the buffer as it was; its status says how much came (`_received`).
-        self._receives: dict[int, tuple[Request, int, int, int]] = {}
+        #: Each receive in flight, and the bytes it expects, by id of its request (held here,
+        #: so that the id is not another's until the entry goes). MPI completes a receive of
+        #: a shorter message without an error, leaving the rest of the buffer as it was; its
+        #: status says how much came (`_received`).
+        self._receives: dict[int, tuple[Request, int]] = {}
         ordered = _INTS | _REALS | {DType.FLOAT16, DType.BFLOAT16}
         ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD,
                ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX, ReduceOp.BAND: MPI.BAND,
@@ -398,12 +399,12 @@ class MPIBackend(Backend):
 
     def start_recv(self, group: _MPIGroup, buf: Buffer, src: int, tag: int) -> Request:
         req = group.comm.Irecv(self._msg(buf), src, tag)
-        self._receives[id(req)] = (req, buf.nbytes, src, tag)
+        self._receives[id(req)] = (req, buf.nbytes)
         return req
 
     def start_recv_any(self, group: _MPIGroup, buf: Buffer, tag: int) -> Request:
         req = _AnySource(group.comm, self._msg(buf), tag, self._MPI.ANY_SOURCE)
-        self._receives[id(req)] = (req, buf.nbytes, -1, tag)
+        self._receives[id(req)] = (req, buf.nbytes)
         return req
 
     def source(self, request: Request) -> int:
@@ -558,14 +559,15 @@ class MPIBackend(Backend):
         """For a finished receive: a DesyncError if a shorter message than it expects came
         (the stream stays in step: the whole message was taken). None for anything else."""
         entry = self._receives.pop(id(request), None)
-        if entry is None or entry[0] is not request:
+        if entry is None:
             return None
+        nbytes = entry[1]
         got = status.Get_count(self._MPI.BYTE)
-        _, nbytes, src, tag = entry
         if got == nbytes:
             return None
         return DesyncError(
-            f"a receive of {nbytes} bytes from rank {status.Get_source()} (tag {tag}) got a "
+            f"a receive of {nbytes} bytes from rank {status.Get_source()} (tag "
+            f"{status.Get_tag()}) got a "
             f"message of {got} bytes: the sender's buffer is smaller than the receiver's; "
             "send and receive buffers of one size")
 
@@ -598,6 +600,7 @@ class MPIBackend(Backend):
         for i, req in enumerate(requests):
             if req:
                 continue
+            self._receives.pop(id(req), None)
             code = statuses[i].Get_error()
             if code == MPI.SUCCESS:
                 out.append((i, None))

@@ -347,7 +347,7 @@ class Communicator:
         tag = check_tag(tag)
         slot, _ = self._choose(OpKind.RECV, b.dtype, None, b.nbytes, backend, b.device)
         key = (slot.backend.name, tag)
-        pending = self._any_source.get(key)
+        pending = self._any_source.get(key) if self._any_source else None
         if pending is not None and pending.done():
             del self._any_source[key]
         elif pending is not None:
