@@ -16,6 +16,7 @@ comparing backends.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -86,6 +87,10 @@ def main() -> None:
     if dist.get_rank() == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump(report, f)
+    # torch's gloo can abort at exit when a group is torn down while objects holding its
+    # work are still alive: free them, and leave together.
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

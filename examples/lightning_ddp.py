@@ -22,6 +22,7 @@ import tempfile
 import warnings
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
@@ -80,7 +81,6 @@ def main() -> None:
     trainer.fit(model, DataLoader(data(256, 1), batch_size=16),
                 DataLoader(data(64, 2), batch_size=16))
 
-    import torch.distributed as dist
     report = {
         "backend": dist.get_backend(),
         "world_size": trainer.world_size,
@@ -90,6 +90,10 @@ def main() -> None:
         "params": [p.detach().flatten().tolist() for p in model.parameters()],
         "checkpoint": os.path.basename(best.best_model_path),
     }
+    # Leave together, the group torn down first: torch's gloo can abort a process that
+    # exits while its peer's connections close.
+    dist.barrier()
+    dist.destroy_process_group()
     if trainer.global_rank == 0:
         saved = torch.load(best.best_model_path, weights_only=False)["state_dict"]
         report["checkpoint_params"] = [v.flatten().tolist() for v in saved.values()]

@@ -369,8 +369,14 @@ def test_fsdp2_trains_like_one_process(backend):
 
 
 def test_receives_from_any_source():
-    """``dist.recv`` without ``src`` returns the sender; ``irecv``'s Work names it (MPI)."""
+    """``dist.recv`` without ``src`` returns the sender; ``irecv``'s Work names it (MPI).
+    Without MPI (torchrun) it is refused, naming what it needs."""
     r, n = dist.get_rank(), dist.get_world_size()
+    if "mpi" not in mcrdl.torch.communicator().backends:
+        if r == 0:
+            with pytest.raises(mcrdl.UnsupportedOperationError, match="from any source"):
+                dist.recv(torch.empty(2), tag=4)
+        return
     if r == 0:
         senders = []
         for _ in range(n - 1):
