@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,13 @@ def mpiexec() -> str:
 def run_ranks(n: int, argv: list[str], *, timeout: float, env: dict[str, str] | None = None,
               launcher: str = "mpi") -> subprocess.CompletedProcess[str]:
     """Run ``python argv...`` on ``n`` ranks; returns the finished process (output merged)."""
+    return finish(start_ranks(n, argv, env=env, launcher=launcher), timeout)
+
+
+def start_ranks(n: int, argv: list[str], *, env: dict[str, str] | None = None,
+                launcher: str = "mpi") -> subprocess.Popen[str]:
+    """Start ``python argv...`` on ``n`` ranks (``finish`` waits for it): jobs that mostly
+    start processes and import run side by side on a machine of few cores."""
     full_env = dict(os.environ)
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     # PYTHONFAULTHANDLER: a rank that crashes (a signal, an abort) prints every thread's
@@ -40,15 +48,23 @@ def run_ranks(n: int, argv: list[str], *, timeout: float, env: dict[str, str] | 
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
                "--standalone", "--tee", "3", *argv]
+    return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Wait for a job ``start_ranks`` started; a job past ``timeout`` is killed (its whole
+    session) and fails, with its last output."""
     try:
-        return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
-                              timeout=timeout, start_new_session=True)
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
         raise AssertionError(
-            f"{' '.join(cmd)} did not finish in {timeout} s (a hang mcrdl failed to turn into "
-            f"an error); last output:\n{out[-6000:]}"
+            f"{' '.join(map(str, proc.args))} did not finish in {timeout} s (a hang mcrdl "
+            f"failed to turn into an error); last output:\n{(out + err)[-6000:]}"
         ) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def run_suite(n: int, suite: str, *, timeout: float = 600, extra: list[str] | None = None,
