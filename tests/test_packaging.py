@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -42,46 +43,58 @@ def _requirements(wheel: Path) -> list[Requirement]:
     return [r for r in reqs if r.marker is None]  # the extras' are marked
 
 
-def _installed(site: Path, name: str, version: str) -> None:
+def _installed(site: Path, name: str, version: str) -> Path:
     info = site / f"{name.replace('-', '_')}-{version}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
     (info / "INSTALLER").write_text("pip\n")
     (info / "RECORD").write_text("")
+    return info
 
 
-def _plan(wheel: Path, tmp: Path, torch_version: str) -> subprocess.CompletedProcess[str]:
-    """What pip would install from ``wheel`` into a venv whose torch is ``torch_version``."""
-    env_dir = tmp / "env"
+@pytest.fixture(scope="module")
+def env(wheel, tmp_path_factory) -> tuple[Path, Path]:
+    """A venv holding every requirement of the wheel but torch, each at the lowest version
+    it allows; its python and its site-packages."""
+    env_dir = tmp_path_factory.mktemp("env")
     venv.create(env_dir, with_pip=True)
     (site,) = env_dir.glob("lib/python*/site-packages")
     for req in _requirements(wheel):
-        if req.name == "torch":
-            _installed(site, "torch", torch_version)
-        else:  # the lowest version each allows
+        if req.name != "torch":
             lows = [s.version for s in req.specifier if s.operator in (">=", "==", "~=")]
             _installed(site, req.name, lows[0] if lows else "1.0")
+    return env_dir / "bin" / "python", site
+
+
+def _plan(wheel: Path, env: tuple[Path, Path], tmp: Path,
+          torch_version: str) -> subprocess.CompletedProcess[str]:
+    """What pip would install from ``wheel`` into ``env`` with torch ``torch_version``."""
+    python, site = env
+    torch_info = _installed(site, "torch", torch_version)
     report = tmp / "report.json"
     # Offline, and blind to this machine's pip configuration (its wheel directories).
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    env["PIP_CONFIG_FILE"] = os.devnull
-    proc = subprocess.run([str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q",
-                           "--dry-run", "--no-index", "--report", str(report), str(wheel)],
-                          capture_output=True, text=True, timeout=300, env=env)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    clean["PIP_CONFIG_FILE"] = os.devnull
+    try:
+        proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--dry-run",
+                               "--no-index", "--report", str(report), str(wheel)],
+                              capture_output=True, text=True, timeout=300, env=clean)
+    finally:
+        shutil.rmtree(torch_info)
     proc.stdout = report.read_text() if report.exists() else ""
     return proc
 
 
-def test_a_users_torch_stays(wheel, tmp_path):
+def test_a_users_torch_stays(wheel, env, tmp_path):
     reqs = {r.name: r for r in _requirements(wheel)}
     assert "mpich" not in reqs  # MPICH from PyPI only as an extra: a site's MPI stays too
-    proc = _plan(wheel, tmp_path, "2.11.0+cu130")
+    proc = _plan(wheel, env, tmp_path, "2.11.0+cu130")
     assert proc.returncode == 0, proc.stderr[-3000:]
     planned = [i["metadata"]["name"] for i in json.loads(proc.stdout)["install"]]
     assert planned == ["mcrdl"], planned
 
 
-def test_a_torch_below_the_range_is_not_taken(wheel, tmp_path):
-    proc = _plan(wheel, tmp_path, "2.10.0")
+def test_a_torch_below_the_range_is_not_taken(wheel, env, tmp_path):
+    proc = _plan(wheel, env, tmp_path, "2.10.0")
     assert proc.returncode != 0
     assert "No matching distribution found for torch<2.14,>=2.11" in proc.stderr, proc.stderr
