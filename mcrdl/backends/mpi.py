@@ -120,10 +120,11 @@ class _AnySource:
     there, then the receive of that very message (``Message.Irecv``), so that its source is
     known the moment the message is taken and no other receive can take it meanwhile."""
 
-    __slots__ = ("comm", "mem", "tag", "anyone", "source", "req")
+    __slots__ = ("comm", "mem", "tag", "anyone", "nbytes", "source", "req")
 
-    def __init__(self, comm: Any, mem: Any, tag: int, anyone: int) -> None:
+    def __init__(self, comm: Any, mem: Any, tag: int, anyone: int, nbytes: int) -> None:
         self.comm, self.mem, self.tag, self.anyone = comm, mem, tag, anyone  # (MPI_ANY_SOURCE)
+        self.nbytes = nbytes
         self.source = -1
         self.req: Any = None
 
@@ -263,11 +264,12 @@ class MPIBackend(Backend):
         self._testsome = MPI.Request.Testsome
         self._statuses: list[Any] = []
         self._status = MPI.Status()
-        #: Each receive in flight, and the bytes it expects, by id of its request (held here,
-        #: so that the id is not another's until the entry goes). MPI completes a receive of
-        #: a shorter message without an error, leaving the rest of the buffer as it was; its
-        #: status says how much came (`_received`).
-        self._receives: dict[int, tuple[Request, int]] = {}
+        #: A receive's request, which carries the bytes it expects: MPI completes a receive
+        #: of a shorter message without an error, leaving the rest of the buffer as it was,
+        #: and its status says how much came (`_short`). (A subclass of MPI's own, so that
+        #: Testsome takes it; made here, since mpi4py is imported only now.)
+        self._Recv: Any = type("_Recv", (MPI.Request,), {"__slots__": ("nbytes",)})
+        self._receives = (self._Recv, _AnySource)  # the requests that are receives
         ordered = _INTS | _REALS | {DType.FLOAT16, DType.BFLOAT16}
         ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD,
                ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX, ReduceOp.BAND: MPI.BAND,
@@ -398,14 +400,12 @@ class MPIBackend(Backend):
         return group.comm.Isend(self._msg(buf), dst, tag)
 
     def start_recv(self, group: _MPIGroup, buf: Buffer, src: int, tag: int) -> Request:
-        req = group.comm.Irecv(self._msg(buf), src, tag)
-        self._receives[id(req)] = (req, buf.nbytes)
+        req = self._Recv(group.comm.Irecv(self._msg(buf), src, tag))
+        req.nbytes = buf.nbytes
         return req
 
     def start_recv_any(self, group: _MPIGroup, buf: Buffer, tag: int) -> Request:
-        req = _AnySource(group.comm, self._msg(buf), tag, self._MPI.ANY_SOURCE)
-        self._receives[id(req)] = (req, buf.nbytes)
-        return req
+        return _AnySource(group.comm, self._msg(buf), tag, self._MPI.ANY_SOURCE, buf.nbytes)
 
     def source(self, request: Request) -> int:
         return int(request.source)
@@ -521,11 +521,11 @@ class MPIBackend(Backend):
                 if not requests[0].Test(self._status):
                     return []
             except self._MPI.Exception as exc:
-                self._receives.pop(id(requests[0]), None)
                 return [(0, self._error(exc))]
             except BackendError as exc:
                 return [(0, exc)]
-            return [(0, self._received(requests[0], self._status) if self._receives else None)]
+            req = requests[0]
+            return [(0, self._short(req, self._status) if type(req) in self._receives else None)]
         if not _OWN_REQUESTS.isdisjoint(map(type, requests)):  # (C-level scan: every poll)
             return self._test_each(requests)
         statuses = self._statuses
@@ -537,31 +537,26 @@ class MPIBackend(Backend):
             return self._failed_some(requests, statuses)
         if not done:
             return []
-        if not self._receives:
-            return [(i, None) for i in done]
-        # Testsome's statuses are in the order of ``done``.
-        return [(i, self._received(requests[i], statuses[j])) for j, i in enumerate(done)]
+        recv = self._Recv  # (Testsome's statuses are in the order of ``done``)
+        return [(i, self._short(requests[i], statuses[j]) if type(requests[i]) is recv
+                 else None) for j, i in enumerate(done)]
 
     def test_one(self, request: Request) -> bool:
         try:
             if not request.Test(self._status):
                 return False
         except self._MPI.Exception as exc:
-            self._receives.pop(id(request), None)
             raise self._error(exc) from exc
-        if self._receives:
-            error = self._received(request, self._status)
+        if type(request) in self._receives:
+            error = self._short(request, self._status)
             if error is not None:
                 raise error
         return True
 
-    def _received(self, request: Request, status: Any) -> BaseException | None:
+    def _short(self, request: Any, status: Any) -> BaseException | None:
         """For a finished receive: a DesyncError if a shorter message than it expects came
-        (the stream stays in step: the whole message was taken). None for anything else."""
-        entry = self._receives.pop(id(request), None)
-        if entry is None:
-            return None
-        nbytes = entry[1]
+        (the stream stays in step: the whole message was taken)."""
+        nbytes = request.nbytes
         got = status.Get_count(self._MPI.BYTE)
         if got == nbytes:
             return None
@@ -582,9 +577,9 @@ class MPIBackend(Backend):
         for i, req in enumerate(requests):
             try:
                 if req.Test(self._status):
-                    out.append((i, self._received(req, self._status)))
+                    receive = type(req) in self._receives
+                    out.append((i, self._short(req, self._status) if receive else None))
             except self._MPI.Exception as exc:
-                self._receives.pop(id(req), None)
                 out.append((i, self._error(exc)))
             except BackendError as exc:
                 out.append((i, exc))
@@ -600,7 +595,6 @@ class MPIBackend(Backend):
         for i, req in enumerate(requests):
             if req:
                 continue
-            self._receives.pop(id(req), None)
             code = statuses[i].Get_error()
             if code == MPI.SUCCESS:
                 out.append((i, None))
