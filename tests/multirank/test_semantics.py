@@ -169,13 +169,17 @@ def test_receives_from_any_source(comm):
         comm.send(torch.full((3,), float(comm.rank)), 0, tag=9, backend=backend).wait()
         comm.recv(torch.empty(1), 0, tag=11, backend=backend).wait()
         comm.send(torch.full((3,), 10.0 * comm.rank), 0, tag=9, backend=backend).wait()
+        if comm.rank == 1:  # (what rank 0's first receive waits for, all along)
+            comm.send(torch.full((3,), -1.0), 0, tag=12, backend=backend).wait()
         return
+    # Nothing of tag 12 comes before the end: no other receive of that tag meanwhile.
+    waiting = comm.recv(torch.empty(3), None, tag=12, backend=backend)
+    with pytest.raises(ValueError, match=r"a receive of tag 12 on mpi while receive#\d+ from "
+                                         r"any source of that tag is unfinished"):
+        comm.recv(torch.empty(3), 1, tag=12, backend=backend)
     got = {}
     for _ in range(comm.size - 1):
         fut = comm.recv(torch.empty(3), None, tag=9, backend=backend)
-        with pytest.raises(ValueError, match=r"a receive of tag 9 on \w+ while receive#\d+ "
-                                             r"from any source of that tag is unfinished"):
-            comm.recv(torch.empty(3), 1, tag=9, backend=backend)
         data = fut.wait()
         assert fut.source not in got and data.tolist() == [float(fut.source)] * 3
         got[fut.source] = True
@@ -185,6 +189,7 @@ def test_receives_from_any_source(comm):
     for peer in range(1, comm.size):  # each peer's second message, by name
         assert comm.recv(torch.empty(3), peer, tag=9, backend=backend).wait().tolist() == [
             10.0 * peer] * 3
+    assert waiting.wait().tolist() == [-1.0] * 3 and waiting.source == 1
 
 
 # -- program order across backends ---------------------------------------------------------
