@@ -26,6 +26,7 @@ from ctypes import memmove
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from ..core._errors import UnsupportedOperationError
 from ..core._types import DType, OpKind, ReduceOp
 
 if TYPE_CHECKING:
@@ -290,13 +291,14 @@ class Backend(ABC):
         return False
 
     def start_recv_any(self, group: Any, buf: Buffer, tag: int) -> Request:
-        """Receive into ``buf`` the first message of ``tag`` from any rank of ``group``
-        (``capabilities.any_source`` only)."""
-        raise NotImplementedError(f"{self.name} does not receive from any source")
+        """Receive into ``buf`` the first message of ``tag`` from any rank of ``group``.
+        A backend with ``capabilities.any_source`` overrides it; the others refuse."""
+        raise UnsupportedOperationError(f"{self.name} does not receive from any source")
 
     def source(self, request: Request) -> int:
-        """The rank of the group a finished ``start_recv_any`` got its message from."""
-        raise NotImplementedError(f"{self.name} does not receive from any source")
+        """The rank of the group a finished ``start_recv_any`` got its message from (a
+        backend with ``capabilities.any_source`` overrides it; the others refuse)."""
+        raise UnsupportedOperationError(f"{self.name} does not receive from any source")
 
     def describe_wait(self, request: Request) -> str | None:
         """What an unfinished request waits for, where the backend knows (e.g. "ranks [2]
