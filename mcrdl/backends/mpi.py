@@ -266,7 +266,7 @@ class MPIBackend(Backend):
         self._status = MPI.Status()
         #: A receive's request, which carries the bytes it expects: MPI completes a receive
         #: of a shorter message without an error, leaving the rest of the buffer as it was,
-        #: and its status says how much came (`_short`). (A subclass of MPI's own, so that
+        #: and its status says how much came (`_received`). (A subclass of MPI's own, so that
         #: Testsome takes it; made here, since mpi4py is imported only now.)
         self._Recv: Any = type("_Recv", (MPI.Request,), {"__slots__": ("nbytes",)})
         self._receives = (self._Recv, _AnySource)  # the requests that are receives
@@ -524,8 +524,7 @@ class MPIBackend(Backend):
                 return [(0, self._error(exc))]
             except BackendError as exc:
                 return [(0, exc)]
-            req = requests[0]
-            return [(0, self._short(req, self._status) if type(req) in self._receives else None)]
+            return [(0, self._received(requests[0], self._status))]
         if not _OWN_REQUESTS.isdisjoint(map(type, requests)):  # (C-level scan: every poll)
             return self._test_each(requests)
         statuses = self._statuses
@@ -537,9 +536,8 @@ class MPIBackend(Backend):
             return self._failed_some(requests, statuses)
         if not done:
             return []
-        recv = self._Recv  # (Testsome's statuses are in the order of ``done``)
-        return [(i, self._short(requests[i], statuses[j]) if type(requests[i]) is recv
-                 else None) for j, i in enumerate(done)]
+        # (Testsome's statuses are in the order of ``done``.)
+        return [(i, self._received(requests[i], statuses[j])) for j, i in enumerate(done)]
 
     def test_one(self, request: Request) -> bool:
         try:
@@ -547,15 +545,16 @@ class MPIBackend(Backend):
                 return False
         except self._MPI.Exception as exc:
             raise self._error(exc) from exc
-        if type(request) in self._receives:
-            error = self._short(request, self._status)
-            if error is not None:
-                raise error
+        error = self._received(request, self._status)
+        if error is not None:
+            raise error
         return True
 
-    def _short(self, request: Any, status: Any) -> BaseException | None:
-        """For a finished receive: a DesyncError if a shorter message than it expects came
-        (the stream stays in step: the whole message was taken)."""
+    def _received(self, request: Any, status: Any) -> BaseException | None:
+        """For a finished request: a DesyncError if it is a receive and a shorter message
+        than it expects came (the stream stays in step: the whole message was taken)."""
+        if type(request) not in self._receives:
+            return None
         nbytes = request.nbytes
         got = status.Get_count(self._MPI.BYTE)
         if got == nbytes:
@@ -577,8 +576,7 @@ class MPIBackend(Backend):
         for i, req in enumerate(requests):
             try:
                 if req.Test(self._status):
-                    receive = type(req) in self._receives
-                    out.append((i, self._short(req, self._status) if receive else None))
+                    out.append((i, self._received(req, self._status)))
             except self._MPI.Exception as exc:
                 out.append((i, self._error(exc)))
             except BackendError as exc:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..core._errors import InvalidStateError
 from ._drivers import drive_async as _drive_async
 from ._drivers import wait as _wait
+from ._lanes import ANY_PEER
 from ._states import CANCELLED, DONE, FAILED, ISSUED, PENDING, STATE_NAMES
 
 if TYPE_CHECKING:
@@ -203,7 +204,7 @@ class CommFuture:
         named, or for a receive from any source the one that sent it, once it finished
         (None before). None for every other operation."""
         stream = self.stream
-        if stream is None or stream[2] or stream[0] < 0:
+        if stream is None or stream[2] or stream[0] == ANY_PEER:
             return None
         return stream[0]  # type: ignore[no-any-return]
 

@@ -337,8 +337,8 @@ class Communicator:
         resolves to ``buf``.
 
         ``src=None`` receives from any rank, whichever message of ``tag`` the backend
-        matches first (MPI, gloo; host buffers); ``fut.source`` then says whose it was. Until
-        it has finished, no other receive of ``tag`` on its backend may be submitted: which
+        matches first (MPI; host buffers); ``fut.source`` then says whose it was. Until it
+        has finished, no other receive of ``tag`` on its backend may be submitted: which
         position on which peer's stream it takes is known only then (rule 7).
         """
         b = as_buffer(buf, "buf", True)
@@ -354,17 +354,16 @@ class Communicator:
             raise ValueError(
                 f"a receive of tag {tag} on {key[0]} while receive#{pending.seq} from any "
                 f"source of that tag is unfinished: wait for it first, or use another tag")
-        if src is None:
-            can = [n for n, s in self._slots.items() if s.backend.capabilities.any_source]
-            if not slot.backend.capabilities.any_source or b.device != "cpu":
-                raise UnsupportedOperationError(
-                    f"a receive from any source runs on {', '.join(can) or 'no backend here'}"
-                    f", into host memory; this one would be on {key[0]} into {b.device} "
-                    "memory: pass backend=, a host buffer, or src=")
         if src is not None:
             return self._submit(OpKind.RECV, slot, slot.backend.start_recv,
                                 (slot.group, b, src, tag), _NO_RANGES, b.ranges, buf, b.nbytes,
                                 after, stream=(src, tag, False))
+        if not slot.backend.capabilities.any_source or b.device != "cpu":
+            can = [n for n, s in self._slots.items() if s.backend.capabilities.any_source]
+            raise UnsupportedOperationError(
+                f"a receive from any source runs on {', '.join(can) or 'no backend here'}, "
+                f"into host memory; this one would be on {key[0]} into {b.device} memory: "
+                "pass backend=, a host buffer, or src=")
         fut = self._submit(OpKind.RECV, slot, slot.backend.start_recv_any, (slot.group, b, tag),
                            _NO_RANGES, b.ranges, buf, b.nbytes, after,
                            stream=(ANY_PEER, tag, False))
