@@ -20,7 +20,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,7 +44,6 @@ if TYPE_CHECKING:
 
 __all__ = ["SimAborted", "SimDeadlock", "SimMismatch", "SimWorld"]
 
-_SCHED = -1
 _DRIVE_CODE = drive_async.__code__
 #: Simulated seconds per scheduler step (the engines' clock, for timeouts).
 STEP_SECONDS = 1e-3
@@ -62,6 +61,13 @@ class SimAborted(BaseException):
     """Raised inside simulated threads to unwind them when a run is abandoned."""
 
 
+def _closed_gate() -> threading.Lock:
+    """A gate a thread waits at (``acquire``) until another opens it (``release``)."""
+    gate = threading.Lock()
+    gate.acquire()
+    return gate
+
+
 @dataclass(eq=False)
 class _Thread:
     token: int
@@ -71,6 +77,9 @@ class _Thread:
     result: Any = None
     error: BaseException | None = None
     wake_at: int = 0
+    #: Where it waits for the baton: one gate per thread, so that handing the baton on wakes
+    #: only its receiver (a shared condition woke every thread at every hand-over).
+    gate: threading.Lock = field(default_factory=_closed_gate)
 
 
 class _Rendezvous:
@@ -205,8 +214,7 @@ class SimWorld:
         self.step = 0
         self.progress = 0
         self.mismatch: str | None = None
-        self._cond = threading.Condition()
-        self._current = _SCHED
+        self._sched_gate = _closed_gate()  # where the scheduler waits for the baton back
         self._threads: list[_Thread] = []
         self._by_ident: dict[int, _Thread] = {}
         self._aborted = False
@@ -274,9 +282,7 @@ class SimWorld:
 
     def _main(self, t: _Thread, fn: Callable[[], Any]) -> None:
         self._by_ident[threading.get_ident()] = t
-        with self._cond:
-            while self._current != t.token:
-                self._cond.wait()
+        t.gate.acquire()
         try:
             if self._aborted:
                 raise SimAborted()
@@ -286,18 +292,13 @@ class SimWorld:
         finally:
             t.finished = True
             self.progress += 1
-            with self._cond:
-                self._current = _SCHED
-                self._cond.notify_all()
+            self._sched_gate.release()
 
     def yield_(self) -> None:
         """Hand the baton back to the scheduler (called from a simulated thread)."""
         t = self._by_ident[threading.get_ident()]
-        with self._cond:
-            self._current = _SCHED
-            self._cond.notify_all()
-            while self._current != t.token:
-                self._cond.wait()
+        self._sched_gate.release()
+        t.gate.acquire()
         if self._aborted:
             raise SimAborted()
 
@@ -322,11 +323,8 @@ class SimWorld:
         self.progress += 1
 
     def _resume(self, t: _Thread) -> None:
-        with self._cond:
-            self._current = t.token
-            self._cond.notify_all()
-            while self._current != _SCHED:
-                self._cond.wait()
+        t.gate.release()
+        self._sched_gate.acquire()
 
     # -- running -----------------------------------------------------------------------
 

@@ -66,6 +66,12 @@ CASES = {
 }
 
 
+#: Each case's strategy, made once: making one parses the generator's source (hypothesis's
+#: ``composite``), which cost more than running some of the programs.
+STRATEGIES = {case: programs(backends=tuple(backends), named=True, **faults)
+              for case, (backends, faults, _) in CASES.items()}
+
+
 @pytest.mark.parametrize("case", CASES)
 @settings(max_examples=examples(100), deadline=None, database=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
@@ -78,8 +84,7 @@ def test_named_blocks_in_per_rank_orders_match_the_reference(case, monkeypatch, 
     backends, faults, slots = CASES[case]
     if slots is not None:
         monkeypatch.setattr(_names, "CACHE_SLOTS", slots)
-    program = data.draw(programs(backends=tuple(backends), named=True, **faults))
-    check_program(program, seed=seed, backends=backends)
+    check_program(data.draw(STRATEGIES[case]), seed=seed, backends=backends)
 
 
 def test_the_harness_permuted_named_blocks(monkeypatch):
