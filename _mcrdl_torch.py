@@ -13,6 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 BACKEND_NAME = "mcrdl"
+#: The devices torch sends to the backend: one group serves both, as torch's default groups
+#: do (an object collective on CPU beside gradients on CUDA).
+DEVICES = ["cpu", "cuda"]
 
 
 def register() -> None:
@@ -22,7 +25,7 @@ def register() -> None:
 
         if dist.is_available() and BACKEND_NAME not in dist.Backend.backend_list:
             dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True,
-                                          devices=["cpu"])
+                                          devices=DEVICES)
     except Exception:  # noqa: BLE001 - never break ``import torch``; mcrdl.torch registers too
         pass
 

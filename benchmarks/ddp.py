@@ -1,6 +1,8 @@
-"""DDP over the "mcrdl" torch.distributed backend against DDP over torch's own gloo.
+"""DDP over the "mcrdl" torch.distributed backend against DDP over torch's own gloo (NCCL
+with ``--device cuda``).
 
     mpiexec -n 2 python benchmarks/ddp.py [--mib 16] [--steps 20]   (and -n 4)
+    MCRDL_BACKENDS=gloo,nccl python benchmarks/ddp.py --device cuda   (a world of one per GPU)
 
 One process group of each kind over the same ranks (``dist.new_group(backend="gloo")`` beside
 mcrdl's default group); the same model (``--mib`` MiB of float32 gradients, in linear layers
@@ -20,6 +22,11 @@ of 4 MiB) wrapped by DDP over each, stepped in alternating blocks. Prints, rank 
 - the adapter's cost: ``dist.all_reduce`` of 4 bytes over the mcrdl group minus
   ``comm.allreduce(...).wait()`` on the communicator under it, both on mpi, alternating pairs
   (target: under 10 µs), and the 4-byte ``dist.all_reduce`` against gloo's.
+
+On CUDA the model, the batch and the 4-byte tensor are on the GPU, mcrdl chooses its backend
+(nccl where it is up), the other group is NCCL's, and every timed call ends with
+``torch.cuda.synchronize()`` (a collective returns once it is queued); it adds a 64 MiB
+``dist.all_reduce`` against NCCL's.
 """
 
 from __future__ import annotations
@@ -109,21 +116,28 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=16)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--pairs", type=int, default=2000, help="pairs for the 4-byte figures")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     mcrdl.torch.init_process_group()
     rank, size = dist.get_rank(), dist.get_world_size()
     comm = mcrdl.torch.communicator()
     mine = dist.distributed_c10d._get_default_group()
-    gloo = dist.new_group(backend="gloo")
-    mcrdl.torch.set_backend(None, "mpi")
+    other_name = "nccl" if cuda else "gloo"
+    gloo = dist.new_group(backend=other_name)
+    pin = None if cuda else "mpi"  # on CUDA, mcrdl's own choice: a stream-ordered backend
+    mcrdl.torch.set_backend(None, pin)
+    sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
 
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     for _ in range(max(1, args.mib // 4)):
         layers += [torch.nn.Linear(_LAYER, _LAYER, bias=False), torch.nn.Tanh()]
-    base = torch.nn.Sequential(*layers)
-    x = torch.randn(16, _LAYER)
+    base = torch.nn.Sequential(*layers).to(args.device)
+    x = torch.randn(16, _LAYER, device=args.device)
     ddps = {name: torch.nn.parallel.DistributedDataParallel(
         copy.deepcopy(base), process_group=pg, bucket_cap_mb=4)
         for name, pg in (("mcrdl", mine), ("gloo", gloo))}
@@ -131,6 +145,7 @@ def main() -> None:
     def step(model: torch.nn.Module) -> None:
         model.zero_grad(set_to_none=False)
         model(x).sum().backward()
+        sync()
 
     for model in (*ddps.values(), base):  # warm-up: DDP's buckets are built on the first step
         step(model)
@@ -141,6 +156,7 @@ def main() -> None:
         works = [dist.all_reduce(g, group=pg, async_op=True) for g in grads]  # type: ignore[arg-type]
         for w in works:
             w.wait()  # type: ignore[union-attr]
+        sync()
 
     def quiet(model: torch.nn.parallel.DistributedDataParallel) -> None:
         with model.no_sync():
@@ -158,19 +174,29 @@ def main() -> None:
     cpu = {name: _cpu_per_step(lambda m=m: step(m), 2 * args.steps, progress_thread)
            for name, m in ddps.items()}
 
-    one = torch.ones(1)
+    one = torch.ones(1, device=args.device)
     opts = dist.AllreduceOptions()  # type: ignore[attr-defined]
-    g, h = alternate(lambda: mine.allreduce([one], opts).wait(),
-                     lambda: comm.allreduce(one, backend="mpi").wait(), args.pairs)
-    c, d = alternate(lambda: dist.all_reduce(one), lambda: comm.allreduce(one, backend="mpi").wait(),
-                     args.pairs)
-    e, f = alternate(lambda: dist.all_reduce(one), lambda: dist.all_reduce(one, group=gloo),
-                     max(50, args.pairs // 20))
+
+    def synced(fn: Callable[[], object]) -> Callable[[], None]:
+        return lambda: (fn(), sync())  # type: ignore[func-returns-value]
+
+    g, h = alternate(synced(lambda: mine.allreduce([one], opts).wait()),
+                     synced(lambda: comm.allreduce(one, backend=pin).wait()), args.pairs)
+    c, d = alternate(synced(lambda: dist.all_reduce(one)),
+                     synced(lambda: comm.allreduce(one, backend=pin).wait()), args.pairs)
+    e, f = alternate(synced(lambda: dist.all_reduce(one)),
+                     synced(lambda: dist.all_reduce(one, group=gloo)), max(50, args.pairs // 20))
+    large = None
+    if cuda:
+        big = torch.ones(16 << 20, device="cuda")  # 64 MiB
+        large = alternate(synced(lambda: dist.all_reduce(big)),
+                          synced(lambda: dist.all_reduce(big, group=gloo)), 50)
     mcrdl.torch.set_backend(None, None)
     if rank == 0:
         mib = sum(g.numel() for g in grads) * 4 / 2**20
-        print(f"# DDP, {size} ranks, {mib:.0f} MiB of gradients in 4 MiB buckets, "
-              f"median of {args.steps} steps in alternating blocks (rank 0); mcrdl pinned to mpi")
+        print(f"# DDP on {args.device}, {size} ranks, {mib:.0f} MiB of gradients in 4 MiB "
+              f"buckets, median of {args.steps} steps in alternating blocks (rank 0); mcrdl "
+              f"{'pinned to ' + pin if pin else 'on its own choice'}; the other: {other_name}")
         for name in ("mcrdl", "gloo"):
             compute = computes[name]
             hidden = (compute + alone[name] - steps[name]) / min(compute, alone[name])
@@ -184,17 +210,22 @@ def main() -> None:
                       f"{split['main'] * 1e3:5.1f}, mcrdl progress thread "
                       f"{split['progress'] * 1e3:4.1f}, other threads {split['other'] * 1e3:4.1f}"
                       f" ms (CPU / wall {busy / split['wall']:.2f})")
-        print(f"step ratio mcrdl / gloo: {steps['mcrdl'] / steps['gloo']:.2f} (target <= 0.7 "
-              f"at 2 ranks)")
+        print(f"step ratio mcrdl / {other_name}: {steps['mcrdl'] / steps['gloo']:.2f} (target "
+              f"{'<= 1.05' if cuda else '<= 0.7 at 2 ranks'})")
         print(f"4-byte dist.all_reduce over mcrdl: {statistics.median(c) * 1e6:.1f} µs; "
               f"comm.allreduce().wait(): {statistics.median(d) * 1e6:.1f} µs; adapter "
               f"+{(statistics.median(c) - statistics.median(d)) * 1e6:.1f} µs (target < 10)")
         print(f"  of which the group's own allreduce([t], opts).wait(): "
               f"+{(statistics.median(g) - statistics.median(h)) * 1e6:.1f} µs, torch's "
               f"dist.all_reduce around it the rest")
-        print(f"4-byte dist.all_reduce, mcrdl / gloo: "
+        print(f"4-byte dist.all_reduce, mcrdl / {other_name}: "
               f"{statistics.median(e) / statistics.median(f):.3f} "
-              f"({statistics.median(e) * 1e6:.1f} µs against {statistics.median(f) * 1e6:.1f})")
+              f"({statistics.median(e) * 1e6:.1f} µs against {statistics.median(f) * 1e6:.1f})"
+              f"{' (target <= 1.3)' if cuda else ''}")
+        if large is not None:
+            a, b = (statistics.median(t) for t in large)
+            print(f"64 MiB dist.all_reduce, mcrdl / nccl: {a / b:.3f} ({a * 1e3:.2f} ms "
+                  f"against {b * 1e3:.2f}; target <= 1.05)")
     dist.destroy_process_group()
     mcrdl.finalize()
 

@@ -382,3 +382,16 @@ def test_a_torch_work_future_is_refused_without_a_progress_thread(comm, backends
     mpi = backends["mpi"]
     mpi.finish(mpi.started[0])
     assert work.wait() and work.get_future().wait() == [t]
+
+
+def test_a_torch_works_completion_query_moves_the_engine(comm, backends):
+    """``Work.is_completed()`` polls the engine once, as torch's NCCL work queries its events:
+    a loop over it ends without the progress thread (this runtime has none)."""
+    from mcrdl.torch._group import _Work
+
+    allow_started(backends)
+    work = _Work([comm.allreduce(torch.ones(4), backend="mpi")], [])
+    assert not work.is_completed()
+    mpi = backends["mpi"]
+    mpi.finish(mpi.started[0])  # the backend is done; nothing has polled since
+    assert work.is_completed() and work.is_success()

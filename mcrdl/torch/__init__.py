@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
+from _mcrdl_torch import DEVICES
 
 from ..bootstrap._launch import detect_launcher
 from ..core._errors import MCRDLError
@@ -151,4 +152,4 @@ def _create(opts: Any, backend_options: Any = None) -> ProcessGroupMCRDL:
 # ``import torch`` registered the name already where mcrdl is installed (its entry point,
 # _mcrdl_torch.py, whose creator calls _create here); otherwise it is registered now.
 if BACKEND_NAME not in dist.Backend.backend_list:
-    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=DEVICES)

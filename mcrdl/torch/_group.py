@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _mcrdl_torch import BACKEND_NAME, DEVICES
 
 from ..core._errors import MCRDLError, UnsupportedOperationError
 from ..core._types import ReduceOp
@@ -23,8 +24,6 @@ from ..front._communicator import Communicator
 
 __all__ = ["BACKEND_NAME", "ProcessGroupMCRDL", "region"]
 
-#: The name torch.distributed knows mcrdl by.
-BACKEND_NAME = "mcrdl"
 
 #: The backend pinned for torch collectives of this thread or task (`mcrdl.torch.backend`).
 region: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -52,7 +51,16 @@ _PREMUL_SUM = _RED.PREMUL_SUM.value
 
 class _Work(_c10d._Work):  # type: ignore[misc]
     """A torch Work over mcrdl futures; ``then`` (copy results into torch's tensors) runs once,
-    before the work counts as done for ``wait()`` and for ``get_future()``."""
+    before the work counts as done for ``wait()`` and for ``get_future()``.
+
+    On device tensors it keeps torch's stream semantics (those of ProcessGroupNCCL):
+    ``wait()`` makes the caller's current stream wait for the operations, and the host waits
+    only until they are queued on their streams (for the whole operation where it runs on the
+    host: a staged MPI or gloo one); ``then`` is queued on that stream behind them. A failure
+    found after ``wait()`` returned fails the operations that depend on the failed one (rule 7
+    breaks the communicator where one of those was never issued), and `is_success` and
+    `exception` report it once the operations are done.
+    """
 
     def __init__(self, futs: Sequence[CommFuture], result: list[torch.Tensor],
                  then: Callable[[], None] | None = None) -> None:
@@ -62,22 +70,26 @@ class _Work(_c10d._Work):  # type: ignore[misc]
         self._then = then
         self._lock = threading.Lock()
         self._error: BaseException | None = None
-        self._settled = False
 
     def _settle(self) -> BaseException | None:
-        """Collect the futures' outcome and run ``then`` once; the first error, if any."""
+        """The first error of a finished operation, if any; else run ``then`` (once).
+
+        Called once every operation has finished, or (on a device) once each is queued and
+        the current stream waits for it: then's own device work goes on that stream."""
         with self._lock:
-            if not self._settled:
+            if self._error is None:
                 for fut in self._futs:
-                    err = fut.exception()
-                    if err is not None and self._error is None:
+                    err = fut.exception() if fut.done() else None
+                    if err is not None:
                         self._error = err
-                if self._error is None and self._then is not None:
-                    try:
-                        self._then()
-                    except Exception as exc:  # noqa: BLE001 - the work's own failure
-                        self._error = exc
-                self._settled = True
+                        break
+            then = self._then
+            if self._error is None and then is not None:
+                self._then = None
+                try:
+                    then()
+                except Exception as exc:  # noqa: BLE001 - the work's own failure
+                    self._error = exc
             return self._error
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
@@ -86,7 +98,10 @@ class _Work(_c10d._Work):  # type: ignore[misc]
             seconds = timeout.total_seconds()
         for fut in self._futs:
             try:
-                fut.wait(seconds)
+                if fut.device is None:
+                    fut.wait(seconds)
+                else:  # the caller's current stream waits for it (see the class docstring)
+                    fut.wait_stream()
             except TimeoutError:
                 raise
             except Exception:  # noqa: BLE001 - raised below, after every future settled
@@ -97,7 +112,14 @@ class _Work(_c10d._Work):  # type: ignore[misc]
         return True
 
     def is_completed(self) -> bool:
-        return all(f.done() for f in self._futs)
+        """Whether every operation has finished; never blocks. It polls mcrdl's engine once
+        (as torch's NCCL work queries its events), so that a loop over it moves the operations
+        on where nothing else does (no progress thread)."""
+        futs = self._futs
+        if all(f.done() for f in futs):
+            return True
+        futs[0]._engine.poll()
+        return all(f.done() for f in futs)
 
     def is_success(self) -> bool:
         if not self.is_completed():
@@ -130,7 +152,12 @@ class _Work(_c10d._Work):  # type: ignore[misc]
                 "(MCRDL_PROGRESS_THREAD=0 or mcrdl.init(progress_thread=False)): torch waits "
                 "on the future where nothing moves mcrdl's operations; leave the thread on, or "
                 "call Work.wait()")
-        tfut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        # On device tensors, a future of those devices: setting its result records an event on
+        # their current streams (behind ``then``'s copies), and whoever waits on it or chains
+        # to it waits for that event, as with ProcessGroupNCCL's futures.
+        devices: list[int | str | torch.device] = []
+        devices.extend(sorted({str(t.device) for t in self._result if t.device.type != "cpu"}))
+        tfut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(devices=devices)
         left = [len(self._futs)]
         count = threading.Lock()
 
@@ -238,6 +265,26 @@ class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
     group_name = property(getGroupName)
     group_desc = property(getGroupDesc)
 
+    # -- the group as its own backend for each device ---------------------------------
+
+    #: torch asks a device's backend whether it splits its communicators to make new groups
+    #: (ProcessGroupNCCL does, for ``init_process_group(device_id=...)``): mcrdl makes every
+    #: group a communicator of its own through the creator instead.
+    supports_splitting = False
+
+    def _get_backend(self, device: torch.device) -> ProcessGroupMCRDL:
+        """The backend torch would run ``device``'s collectives on: this group, for each
+        device it serves. (torch's own lookup finds nothing: a group written in Python
+        replaces the group that would hold a backend per device.)"""
+        if torch.device(device).type not in DEVICES:
+            raise RuntimeError(f"No backend type associated with device type {device}: "
+                               f"backend {BACKEND_NAME!r} serves {', '.join(DEVICES)}")
+        return self
+
+    def supports_tensor_alloc(self, device: torch.device) -> bool:
+        """Whether the backend allocates its buffers itself (FSDP2 asks): no."""
+        return False
+
     def _backend(self) -> str | None:
         pinned = region.get()
         return pinned if pinned is not None else self.pinned
@@ -305,14 +352,15 @@ class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> _Work:
         b = self._backend()
-        futs = []
+        futs, flats = [], []
         for inp, outputs in zip(inputs, output_lists):
             self._check_list("allgather", outputs, inp)
-            futs.append(self.comm.allgather(_rows(inp), backend=b))
+            flats.append(self._gathered(_rows(inp)))
+            futs.append(self.comm.allgather(_rows(inp), out=flats[-1], backend=b))
 
         def then() -> None:
-            for fut, inp, outputs in zip(futs, inputs, output_lists):
-                _unpack(fut.result(), _rows(inp).shape[0], outputs)
+            for flat, inp, outputs in zip(flats, inputs, output_lists):
+                _unpack(flat, _rows(inp).shape[0], outputs)
 
         return _Work(futs, [o for outputs in output_lists for o in outputs], then)
 
@@ -326,11 +374,13 @@ class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
                              f"{len(inputs)} tensors (one per input); got "
                              f"{[len(o) for o in output_lists]}")
         b = self._backend()
-        futs = [self.comm.allgather(inp.reshape(-1), backend=b) for inp in inputs]
+        flats = [self._gathered(inp.reshape(-1)) for inp in inputs]
+        futs = [self.comm.allgather(inp.reshape(-1), out=flat, backend=b)
+                for inp, flat in zip(inputs, flats)]
 
         def then() -> None:
-            for i, (fut, inp) in enumerate(zip(futs, inputs)):
-                _unpack(fut.result(), inp.numel(), [outs[i] for outs in output_lists])
+            for i, (flat, inp) in enumerate(zip(flats, inputs)):
+                _unpack(flat, inp.numel(), [outs[i] for outs in output_lists])
 
         return _Work(futs, [o for outs in output_lists for o in outs], then)
 
@@ -395,7 +445,7 @@ class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
         if len(dtypes) != 1:
             raise ValueError(f"all_to_all's tensors must share one dtype; got {sorted(map(str, dtypes))}")
         send = torch.cat([t.reshape(-1) for t in inputs])
-        recv = torch.empty(sum(t.numel() for t in outputs), dtype=outputs[0].dtype)
+        recv = outputs[0].new_empty(sum(t.numel() for t in outputs))
         fut = self.comm.alltoallv(send, [t.numel() for t in inputs],
                                   [t.numel() for t in outputs], out=recv,
                                   backend=self._backend())
@@ -427,15 +477,16 @@ class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
                opts: Any) -> _Work:
         root = opts.rootRank
         (inp,) = inputs
-        mine = self.comm.rank == root
-        if mine:
-            self._check_list("gather", output_lists[0], inp)
-        fut = self.comm.gather(_rows(inp), root, backend=self._backend())
+        if self.comm.rank != root:
+            return _Work([self.comm.gather(_rows(inp), root, backend=self._backend())], [])
+        self._check_list("gather", output_lists[0], inp)
+        flat = self._gathered(_rows(inp))
+        fut = self.comm.gather(_rows(inp), root, out=flat, backend=self._backend())
 
         def then() -> None:
-            _unpack(fut.result(), _rows(inp).shape[0], output_lists[0])
+            _unpack(flat, _rows(inp).shape[0], output_lists[0])
 
-        return _Work([fut], output_lists[0] if mine else [], then if mine else None)
+        return _Work([fut], output_lists[0], then)
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                 opts: Any) -> _Work:
@@ -463,6 +514,11 @@ class ProcessGroupMCRDL(_c10d.ProcessGroup):  # type: ignore[misc]
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> _Work:
         b = self._backend()
         return _Work([self.comm.recv(t, None, tag, backend=b) for t in tensors], tensors)
+
+    def _gathered(self, rows: torch.Tensor) -> torch.Tensor:
+        """A tensor for every member's ``rows`` (a gather's result), on their device: the
+        result is written there, so that ``then`` reads it without waiting on the host."""
+        return rows.new_empty((rows.shape[0] * self.comm.size, *rows.shape[1:]))
 
     # -- argument checks -----------------------------------------------------------------
 

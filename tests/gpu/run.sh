@@ -7,7 +7,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux_2_28_x86_64 --platform manylinux1_x86_64 -d .whl mpi4py mpich
 # which this script installs under $TMPDIR for its own run (mpich with its mpiexec).
-#   bash tests/gpu/run.sh          (about two minutes on one H200)
+#   bash tests/gpu/run.sh [lanes|torch]   (lanes: about two minutes on one H200)
 # Every step has its own time limit, and a failed step does not stop the next ones; the exit
 # status says whether any failed.
 set -uo pipefail
@@ -51,8 +51,13 @@ for name in ("cupy", "mpi4py", "uvloop", "numpy", "hypothesis"):
     print(f"  {name} {version}")
 EOF
 echo "mpiexec: $(command -v mpiexec || echo none)"
-# How this machine's MPI reaches the GPU (CUDA-aware: direct; otherwise staged), if it has one.
-step 60 python3 -c "
+# What to run: "lanes" (mcrdl's own GPU lanes), "torch" (torch.distributed over "mcrdl" on
+# CUDA), or both (no argument). One visit of a few minutes fits one part.
+parts=${1:-lanes torch}
+has() { [[ " $parts " == *" $1 "* ]]; }
+if has lanes; then
+    # How this machine's MPI reaches the GPU (CUDA-aware: direct; otherwise staged).
+    step 60 python3 -c "
 import mcrdl
 try:
     comm = mcrdl.init(backends=['mpi'])
@@ -65,14 +70,34 @@ else:
           'direct', sorted(mpi.capabilities.direct))
     mcrdl.finalize()
 "
-step 300 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -ra --timeout 150
-step 150 python3 benchmarks/gpu_lanes.py
-step 120 env MCRDL_BACKENDS=gloo,nccl python3 -m mcrdl bench --device cuda --no-progress \
-    --ops allreduce,alltoall --sizes 4:64M --factor 4 --backends nccl,gloo --budget 0.03
-if command -v mpiexec >/dev/null; then
-    step 150 mpiexec -n 2 python3 benchmarks/gpu_staged.py
-    step 60 mpiexec -n 1 python3 benchmarks/gpu_staged.py
-    step 120 env MCRDL_BACKENDS=mpi,gloo mpiexec -n 2 python3 -m mcrdl bench --device cuda \
-        --no-progress --ops allreduce,alltoall --sizes 4:16M --factor 4 --budget 0.03
+    step 300 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -ra --timeout 150 \
+        --deselect tests/gpu/test_torch_cuda.py
+    step 150 python3 benchmarks/gpu_lanes.py
+    step 120 env MCRDL_BACKENDS=gloo,nccl python3 -m mcrdl bench --device cuda --no-progress \
+        --ops allreduce,alltoall --sizes 4:64M --factor 4 --backends nccl,gloo --budget 0.03
+    if command -v mpiexec >/dev/null; then
+        step 150 mpiexec -n 2 python3 benchmarks/gpu_staged.py
+        step 60 mpiexec -n 1 python3 benchmarks/gpu_staged.py
+        step 120 env MCRDL_BACKENDS=mpi,gloo mpiexec -n 2 python3 -m mcrdl bench --device cuda \
+            --no-progress --ops allreduce,alltoall --sizes 4:16M --factor 4 --budget 0.03
+    fi
+fi
+if has torch; then
+    # DDP, FSDP2 and every collective through dist.* on CUDA (a world of one with nccl, two
+    # ranks sharing the GPU over staged gloo); then the speed against NCCL's own group.
+    step 300 python3 -m pytest -q -m gpu tests/gpu/test_torch_cuda.py -p no:cacheprovider -ra \
+        --timeout 150 -s
+    step 180 env MCRDL_BACKENDS=gloo,nccl python3 benchmarks/ddp.py --device cuda --steps 20 \
+        --pairs 500
+    if command -v mpiexec >/dev/null; then
+        # DDP's CPU step at 2 ranks, with cores to spare per rank (target: 0.7x gloo's).
+        step 180 mpiexec -n 2 python3 benchmarks/ddp.py --steps 20 --pairs 500
+    fi
+    # torch's own distributed tests that one GPU runs, against "mcrdl" and against "nccl".
+    for suite_backend in mcrdl nccl; do
+        step 300 env WORLD_SIZE=1 BACKEND=$suite_backend MCRDL_BACKENDS=gloo,nccl python3 -m \
+            pytest -q -m "" -p no:cacheprovider tests/torch_suite/test_torch_distributed_suite.py \
+            -k "cuda or gpu or Cuda or GPU" --timeout 60
+    done
 fi
 exit $status

@@ -205,6 +205,22 @@ def test_a_subgroup_and_a_device_mesh():
         assert t.item() == float(sum(row))
 
 
+def test_one_group_serves_cpu_and_cuda(pg):
+    """Registered for both devices, as torch's default groups serve both: torch's default for
+    cuda stays nccl; the group is its own backend for each (torch asks for it after
+    ``init_process_group(device_id=...)``, which DeepSpeed passes on CUDA, and needs it not
+    to split); object collectives run on CPU."""
+    assert dist.Backend.backend_capability["mcrdl"] == ["cpu", "cuda"]
+    assert dist.Backend.default_device_backend_map["cuda"] == "nccl"
+    for device in ("cpu", "cuda", "cuda:1"):
+        backend = pg._get_backend(torch.device(device))
+        assert backend is pg and not backend.supports_splitting
+        assert not backend.supports_tensor_alloc(torch.device(device))
+    with pytest.raises(RuntimeError, match="serves cpu, cuda"):
+        pg._get_backend(torch.device("xpu"))
+    assert dist.distributed_c10d._get_object_coll_device() == "cpu"
+
+
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_groups_of_every_rank_are_independent(backend):
     """Two groups of all the ranks, all-reduced in opposite orders on odd and even ranks:
