@@ -75,12 +75,16 @@ def test_receives_from_any_source_across_a_break(comm):
     if sub.rank == 0:
         first = sub.recv(torch.zeros(2), None, tag=5, backend=backend)
         assert first.wait().tolist() == [1.0, 1.0] and first.source == 1
+        sub.send(torch.ones(1), 1, tag=7, backend=backend).wait()  # matched: rank 1 may break
         anyone = sub.recv(torch.zeros(2), None, tag=6, backend=backend)
         named = sub.recv(torch.zeros(2), 1, tag=5, backend=backend)
         assert "CommBrokenError" in _outcome(anyone), _outcome(anyone)
         assert "CommBrokenError" in _outcome(named), _outcome(named)
     elif sub.rank == 1:
         sub.send(torch.ones(2), 0, tag=5, backend=backend).wait()
+        # A send ends before its message is matched: a break before rank 0's receive took it
+        # would fail that receive too (it would still be unmatched). Rank 0 says when.
+        sub.recv(torch.zeros(1), 0, tag=7, backend=backend).wait()
         # Then it breaks the communicator: an allreduce the others issue, cancelled here.
         gate = sub.recv(torch.zeros(1), 0, tag=1, backend=backend)
         fb = sub.allreduce(torch.ones(1), backend=backend, after=[gate])
