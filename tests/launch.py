@@ -67,9 +67,12 @@ def finish(proc: subprocess.Popen[str], timeout: float) -> subprocess.CompletedP
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def run_suite(n: int, suite: str, *, timeout: float = 600, extra: list[str] | None = None,
-              env: dict[str, str] | None = None, launcher: str = "mpi") -> str:
-    argv = ["-m", "pytest", suite, "-q", "-p", "no:cacheprovider", "-x",
+def run_suite(n: int, suite: str | list[str], *, timeout: float = 600,
+              extra: list[str] | None = None, env: dict[str, str] | None = None,
+              launcher: str = "mpi") -> str:
+    """Run the pytest module ``suite`` (or several, in one launch) on ``n`` ranks."""
+    suites = [suite] if isinstance(suite, str) else suite
+    argv = ["-m", "pytest", *suites, "-q", "-p", "no:cacheprovider", "-x",
             "--timeout", str(int(timeout * 0.8)), "--timeout-method", "thread", *(extra or [])]
     proc = run_ranks(n, argv, timeout=timeout, env=env, launcher=launcher)
     if proc.returncode != 0:

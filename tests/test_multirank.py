@@ -26,9 +26,16 @@ def test_contract(n):
     run_suite(n, "tests/multirank/test_contract.py", extra=extra)
 
 
+#: Suites that need only a world: one launch per size runs them all (a launch costs seconds
+#: of imports on every rank, and each module has a communicator of its own: a failed one
+#: cannot desync the next).
+SUITES = ["tests/multirank/test_semantics.py", "tests/multirank/test_faults.py",
+          "tests/multirank/test_named.py", "tests/multirank/test_programs.py"]
+
+
 @pytest.mark.parametrize("n", [2, 4])
-def test_semantics(n):
-    run_suite(n, "tests/multirank/test_semantics.py")
+def test_semantics_faults_named_and_generated_programs(n):
+    run_suite(n, SUITES)
 
 
 def _overlap(progress_thread: str, env: dict[str, str] | None = None) -> list[str]:
@@ -108,18 +115,8 @@ def test_a_dead_peer_makes_every_survivor_raise_and_nothing_hangs(tmp_path):
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_faults(n):
-    run_suite(n, "tests/multirank/test_faults.py")
-
-
-@pytest.mark.parametrize("n", [2, 4])
 def test_debug_mode(n):
     run_suite(n, "tests/multirank/test_debug.py", env={"MCRDL_DEBUG": "1"})
-
-
-@pytest.mark.parametrize("n", [2, 4])
-def test_named_operations(n):
-    run_suite(n, "tests/multirank/test_named.py")
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -234,11 +231,6 @@ def test_torch_distributed_backend_started_by_torch_under_torchrun():
         assert int(passed) + int(skipped or 0) == total and int(passed) > 0, out[-4000:]
         assert sum(int(k) for k, _ in skips) == int(skipped or 0), out[-4000:]
         assert {why for _, why in skips} <= {"['mpi'] not up under this launcher"}, out[-4000:]
-
-
-@pytest.mark.parametrize("n", [2, 4])
-def test_generated_programs_on_real_backends(n):
-    run_suite(n, "tests/multirank/test_programs.py")
 
 
 def _synthetic_table(path, other=False):
