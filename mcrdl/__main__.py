@@ -1,6 +1,7 @@
 """``python -m mcrdl`` (or ``info``): versions, and which MPI library was loaded;
 ``python -m mcrdl bench`` and ``python -m mcrdl tune`` (under mpiexec or torchrun), and
-``python -m mcrdl trace`` (anywhere: it reads a trace written with ``MCRDL_TRACE``).
+``python -m mcrdl trace`` (anywhere: it reads a trace written with ``MCRDL_TRACE``), and
+``python -m mcrdl run`` (N ranks on this host; a rank that dies leaves the others running).
 
     mpiexec -n 2 python -m mcrdl bench --ops allreduce,alltoall --sizes 4:64M --plot bench.png
     mpiexec -n 2 python -m mcrdl bench --format osu --ops allreduce --sizes 4:1M
@@ -11,6 +12,7 @@
     python -m mcrdl trace plot trace.json -o timeline.png
     MCRDL_FLIGHT_RECORDER=fr-{rank}.json mpiexec -n 4 python train.py   # dumps, machine-readable
     python -m mcrdl trace explain fr-*.json                    # which operation is stuck, why
+    python -m mcrdl run -n 4 train.py                          # no rank ends the others
 """
 
 from __future__ import annotations
@@ -87,6 +89,13 @@ def _parser() -> argparse.ArgumentParser:
                            help="leave out raw mpi4py and raw torch.distributed")
         else:
             s.add_argument("--output", default="mcrdl-tuning.json")
+    r = sub.add_parser("run", help="start N ranks on this host; a rank that dies leaves the "
+                                   "others running (torchrun's environment, the store here)")
+    r.add_argument("-n", "--nproc", type=int, required=True, help="how many ranks")
+    r.add_argument("--host", default="127.0.0.1",
+                   help="the address the ranks reach the store at (default: loopback)")
+    r.add_argument("argv", nargs=argparse.REMAINDER, metavar="command",
+                   help="what python runs in each rank: script.py [args...], or -- -m module")
     t = sub.add_parser("trace", help="read a trace (MCRDL_TRACE) or flight-recorder dumps")
     t.add_argument("action", choices=("summary", "plot", "explain"))
     t.add_argument("path", nargs="+",
@@ -183,6 +192,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "trace":
         return _trace(args)
+    if args.command == "run":
+        from .bootstrap._run import run
+
+        argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+        return run(args.nproc, argv, args.host)
     import mcrdl
     from mcrdl.tuning._bench import sweep
 

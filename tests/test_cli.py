@@ -167,3 +167,49 @@ def test_importing_mcrdl_starts_no_mpi_thread_or_socket():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout.split()
     assert out == ["1", "False", "0"], out
+
+
+def _launch(mode, tmp_path):
+    """``python -m mcrdl run -n 3 tests/ranks/launched.py MODE``, finished."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.launch import ROOT
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MCRDL_TIMEOUT="5", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "mcrdl", "run", "-n", "3",
+                           "tests/ranks/launched.py", mode, str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_run_starts_the_ranks_from_a_store_of_its_own(tmp_path):
+    """torchrun's environment, its store in the launcher: mcrdl and torch's env:// start."""
+    proc = _launch("ok", tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    reports = [p.read_text() for p in sorted(tmp_path.glob("rank*.txt"))]
+    assert reports == ["launcher=torchrun size=3 first=[3.0, 3.0] torch=[3.0, 3.0, 3.0]\n"] * 3
+
+
+def test_run_leaves_the_others_running_when_a_rank_dies(tmp_path):
+    """Rank 1 is killed; ranks 0 and 2 run on (torchrun's agent would stop them), their
+    operation with it fails within the timeout, and they end normally. The job's status is
+    the killed rank's."""
+    proc = _launch("die", tmp_path)
+    assert proc.returncode == 128 + 9, (proc.stdout + proc.stderr)[-6000:]
+    assert "mcrdl run: rank 1 was ended by SIGKILL; the 2 still running go on" in proc.stderr
+    reports = {p.name: p.read_text() for p in tmp_path.glob("rank*.txt")}
+    assert sorted(reports) == ["rank0.txt", "rank2.txt"], proc.stderr[-6000:]
+    for text in reports.values():
+        outcome, after = re.search(r"died: (\w+) after=([\d.]+)", text).groups()
+        assert outcome in ("BackendError", "CommBrokenError", "CommTimeoutError"), text
+        assert float(after) < 5 + 3, text
+
+
+def test_run_refuses_a_job_of_no_ranks_or_no_command():
+    from mcrdl.bootstrap._run import run
+
+    with pytest.raises(ValueError, match=r"-n 0: a job needs at least one rank"):
+        run(0, ["x.py"])
+    with pytest.raises(ValueError, match=r"no command: pass a script"):
+        run(2, [])
