@@ -241,7 +241,8 @@ PUBLIC = [
     "CommClosedError",
     "CommFuture", "CommTimeoutError", "Communicator", "DType", "DependencyFailedError",
     "DesyncError", "EngineStats", "FutureCancelledError", "InvalidStateError", "MCRDLError",
-    "OpKind", "ReduceOp", "Runtime", "RuntimeFinalizedError", "StartError", "TaskOrderWarning",
+    "OpKind", "PeerLostError", "ReduceOp", "Runtime", "RuntimeFinalizedError", "StartError",
+    "TaskOrderWarning",
     "UnknownBackendError",
     "UnsupportedOperationError", "current_runtime", "finalize", "init", "span",
 ]

@@ -10,7 +10,10 @@ onto each member's queue in the store (``queue_push``), from a short-lived threa
 caller never waits on the network; every rank has a thread blocked in ``queue_pop`` on its own
 queue, over a connection of its own (a ``clone`` of the store: the main connection also
 serves gloo's rendezvous), which hands each notice to the engine. Nothing polls: the listener
-sleeps in the store's server until a notice, or its own stop, arrives.
+sleeps in the store's server until a notice, or its own stop, arrives. A launcher that hosts
+the store and sees a rank's process end (``python -m mcrdl run``) pushes a notice of its own,
+``{"lost": rank, "cause": ...}``: every communicator that rank is a member of breaks
+(`PeerLostError`), idle or not.
 
 Rejected (docs/reliability.md, "Rejected"): reading a key from the progress loop (a store
 round trip, far dearer than a poll, on the waiting thread every few milliseconds), and MPI
@@ -90,6 +93,10 @@ class Notices:
                 return
             try:
                 notice = json.loads(raw)
+                if "lost" in notice:  # from the launcher (python -m mcrdl run): a process died
+                    self._engine.post_lost(int(notice["lost"]), str(notice["cause"]))
+                    self._engine.check_signals()
+                    continue
                 stops: Stops = {
                     key: (first, {(peer, tag, bool(sends)): n for peer, tag, sends, n in streams})
                     for key, (first, streams) in notice["stops"].items()}

@@ -3,8 +3,10 @@ leaves the others running.
 
 torchrun's agent stops every worker when one fails (or restarts them all), and MPICH's
 hydra ends the job (even under ``-disable-auto-cleanup`` it sometimes ends survivors). This
-launcher does neither: it reports a rank that died and lets the others run on, so that their
-operations with it fail and they can go on without it (docs/design.md, rule 9). Each rank
+launcher does neither: it reports a rank that died and lets the others run on, and tells
+them at once (a notice in the store each listens on): every communicator the dead rank is a
+member of breaks with `PeerLostError` naming it, whether or not anything was in flight,
+and communicators without it go on (docs/design.md, rule 9). Each rank
 gets torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``) with the store hosted here, as torchrun's agent hosts it
 (``TORCHELASTIC_USE_AGENT_STORE``): the store lives in no rank, so no rank's death takes it
@@ -19,6 +21,7 @@ on to the ranks still running.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import signal
 import subprocess
@@ -62,15 +65,17 @@ def run(n: int, command: Sequence[str], host: str = "127.0.0.1") -> int:
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _wait_all(ranks)
+        return _wait_all(ranks, store)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         del store  # (the ranks have ended: nobody needs it)
 
 
-def _wait_all(ranks: dict[int, tuple[int, subprocess.Popen[Any]]]) -> int:
-    """Reap the ranks as they end, saying which failed; the job's exit status."""
+def _wait_all(ranks: dict[int, tuple[int, subprocess.Popen[Any]]], store: Any) -> int:
+    """Reap the ranks as they end; of one that failed, tell the user and every rank still
+    running (a notice on its queue in the store: `mcrdl.bootstrap._notices`). The job's exit
+    status."""
     status = 0
     running = len(ranks)
     while running:
@@ -90,5 +95,9 @@ def _wait_all(ranks: dict[int, tuple[int, subprocess.Popen[Any]]]) -> int:
             how = f"exited with status {code}"
         sys.stderr.write(f"mcrdl run: rank {rank} {how}; the {running} still running go on\n")
         sys.stderr.flush()
+        notice = json.dumps({"lost": rank, "cause": f"its process {how}"})
+        for other, proc in ranks.values():
+            if proc.returncode is None:
+                store.queue_push(f"mcrdl/notices/{other}", notice)
         status = status or code
     return status

@@ -86,5 +86,11 @@ class CommBrokenError(MCRDLError):
     it, on any member. The message names that first cause."""
 
 
+class PeerLostError(CommBrokenError):
+    """The operation's communicator broke because a member's process is gone (it died, or
+    its host was cut off), as the launcher reported: the message names the lost ranks
+    (world ranks). Communicators without them go on."""
+
+
 class CommAbortedError(MCRDLError):
     """The runtime was aborted (a peer died, or ``finalize`` cut in-flight work short)."""

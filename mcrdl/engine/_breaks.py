@@ -29,6 +29,7 @@ from ..core._errors import (
     DesyncError,
     FutureCancelledError,
     InvalidStateError,
+    PeerLostError,
     RuntimeFinalizedError,
     StartError,
 )
@@ -154,6 +155,7 @@ class Breaks:
     _comms: dict[str, CommState]
     _lanes: dict[tuple[str, str], Lane]
     _told: deque[tuple[str, str, int, Stops]]
+    _lost: deque[tuple[int, str]]
     _told_early: dict[str, list[tuple[str, int, Stops]]]
     _to_tell: list[tuple[CommState, str, Stops]]
     _track_list: list[Track]
@@ -298,7 +300,7 @@ class Breaks:
     @staticmethod
     def _broken_error(fut: CommFuture) -> CommBrokenError:
         comm = fut.lane.comm
-        return CommBrokenError(
+        return (PeerLostError if comm.lost else CommBrokenError)(
             f"{fut.kind}#{fut.seq} on lane {fut.lane.backend_name}:{fut.lane.comm_name}: "
             f"communicator {comm.name} is broken ({comm.broken}); nothing more runs on it"
         )
@@ -397,14 +399,40 @@ class Breaks:
         """
         self._told.append((comm_name, cause, peer, stops))
 
+    def post_lost(self, world_rank: int, cause: str) -> None:
+        """The process of world rank ``world_rank`` is gone (``cause`` says how): every
+        communicator it is a member of breaks at the next check, as if it had stopped before
+        its first operation there, since it will match nothing more. Communicators without
+        it go on.
+
+        Safe from any thread (it only appends to a deque)."""
+        self._lost.append((world_rank, cause))
+
+    def _apply_lost(self) -> None:
+        """Break the communicators of the members the launcher told are gone (lock held)."""
+        while self._lost:
+            gone, cause = self._lost.popleft()
+            for comm in list(self._comms.values()):
+                if gone in comm.members and gone not in comm.lost:
+                    comm.lost.add(gone)
+                    # Its stops: none on any lane, so nothing of it is matched from here.
+                    peer = comm.members.index(gone)
+                    self._heard(comm, f"rank {gone} is gone: {cause}", peer, {})
+
     def check_signals(self) -> None:
         """Apply what arrived from outside since the last check: an abort, breaks that peers
-        told of. Cheap when nothing did (two reads). Without the lock."""
+        told of, processes the launcher told are gone. Cheap when nothing did (three reads).
+        Without the lock."""
         if self._abort_reason is not None:
             reason, self._abort_reason = self._abort_reason, None
             self.fail_all(lambda f: CommAbortedError(f"{f.kind}#{f.seq} on lane "
                                                      f"{f.lane.backend_name}:{f.lane.comm_name}"
                                                      f" aborted: {reason}"))
+        if self._lost:
+            with self._lock:
+                self._apply_lost()
+                self._run_work()
+            self._after_lock()
         if self._told:
             reports = []
             with self._lock:

@@ -94,7 +94,8 @@ class Engine(Places, Edges, Breaks, Events, Idling):
         "_hazards", "_zombies", "_work", "_due", "_to_tell", "_thread", "last_active",
         "_n_completed", "log", "drivers", "_burst", "idle_hook", "_deferred", "_gated",
         "_track_list", "_n_polls", "_policy", "_closed_why", "_tracks", "_lanes", "_comms",
-        "timeout", "_on_timeout", "_next_check", "_abort_reason", "_told", "_told_early",
+        "timeout", "_on_timeout", "_next_check", "_abort_reason", "_told", "_lost",
+        "_told_early",
         "on_break", "_n_failed", "_n_cancelled", "_n_dropped", "log_edges", "waiting",
         "on_fault", "on_heard",
     )
@@ -144,6 +145,9 @@ class Engine(Places, Edges, Breaks, Events, Idling):
         #: Peers' stops on broken communicators, not yet applied (filled from any thread):
         #: (communicator, cause, the peer's rank there, its stops).
         self._told: deque[tuple[str, str, int, Stops]] = deque()
+        #: Processes the launcher told are gone, not yet applied (filled from any thread):
+        #: (world rank, cause).
+        self._lost: deque[tuple[int, str]] = deque()
         #: Those of communicators this rank has not made yet: applied when it is made.
         self._told_early: dict[str, list[tuple[str, int, Stops]]] = {}
         #: Host-lane operations on device buffers whose events are not yet reached (gates).

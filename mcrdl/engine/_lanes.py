@@ -72,9 +72,13 @@ class CommState:
     - ``stops`` maps a member's rank here to its stops (`Stops`), once it has stopped.
     - ``names`` matches its named operations across its members (`Names`; None where the
       communicator has no named lanes).
+    - ``lost`` holds the world ranks of members whose process is gone (the launcher told);
+      a member there counts as stopped before its first operation on every lane, and the
+      communicator's errors are `PeerLostError`.
     """
 
-    __slots__ = ("name", "rank", "size", "members", "lanes", "broken", "stops", "names")
+    __slots__ = ("name", "rank", "size", "members", "lanes", "broken", "stops", "names",
+                 "lost")
 
     def __init__(self, name: str, rank: int, size: int, members: tuple[int, ...]) -> None:
         self.name = name
@@ -85,6 +89,8 @@ class CommState:
         self.broken: str | None = None
         self.stops: dict[int, Stops] = {}
         self.names: Names | None = None
+        #: World ranks of members whose process is gone (it broke for that).
+        self.lost: set[int] = set()
 
     def __repr__(self) -> str:
         state = f" broken: {self.broken}" if self.broken is not None else ""

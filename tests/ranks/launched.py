@@ -3,9 +3,11 @@
     python -m mcrdl run -n 3 tests/ranks/launched.py ok|die OUT_DIR
 
 ``ok``: mcrdl up from the launcher's store, an allreduce, then torch.distributed's default
-group over "mcrdl" from ``env://`` and an all_reduce through it. ``die``: after a first
-allreduce, rank 1 kills itself (SIGKILL); the others each try another, report what it raised
-and how long it took, and end normally. Each rank that ends writes ``OUT_DIR/rank<R>.txt``.
+group over "mcrdl" from ``env://`` and an all_reduce through it. ``die``: ranks 0 and 2 make
+a communicator of their own, then rank 1 kills itself (SIGKILL) while the others wait with
+nothing in flight; then each tries an allreduce on the world, reports what it raised and how
+long that took, allreduces on their own communicator, and ends normally. Each rank that ends
+writes ``OUT_DIR/rank<R>.txt``.
 """
 
 import os
@@ -30,16 +32,19 @@ if mode == "ok":
               f"torch={t.tolist()}")
     dist.destroy_process_group()
 else:
+    pair = comm.split(0 if rank != 1 else 1)  # ranks 0 and 2 (rank 1 alone)
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(0.5)  # rank 1 is gone by now
+    time.sleep(1.0)  # nothing in flight while rank 1 dies
     t0 = time.monotonic()
     try:
         comm.allreduce(torch.ones(2)).wait()
         outcome = "no error"
     except mcrdl.MCRDLError as exc:
-        outcome = type(exc).__name__
-    report = f"lived after rank 1 died: {outcome} after={time.monotonic() - t0:.1f}"
+        outcome = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    took = time.monotonic() - t0
+    together = pair.allreduce(torch.ones(2)).wait().tolist()
+    report = f"after={took:.2f} pair={together} lived after rank 1 died: {outcome}"
 with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
     f.write(report + "\n")
 mcrdl.finalize()
