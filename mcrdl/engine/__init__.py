@@ -3,7 +3,7 @@
 from ._core import Engine, EngineStats
 from ._future import CommFuture
 from ._idle import PollPolicy
-from ._lanes import ANY_PEER, CommState, Lane, OpRecord
+from ._lanes import ANY_PEER, CommState, Lane, OpRecord, take_source
 
 __all__ = ["ANY_PEER", "CommFuture", "CommState", "Engine", "EngineStats", "Lane", "OpRecord",
-           "PollPolicy"]
+           "PollPolicy", "take_source"]

@@ -40,7 +40,7 @@ from ._events import Events
 from ._future import CommFuture, Placement, report_callback_error
 from ._hazards import HazardIndex
 from ._idle import Idling, PollPolicy
-from ._lanes import ANY_PEER, CommState, Lane, Stops
+from ._lanes import CommState, Lane, Stops
 from ._places import EngineStats, Places, Route
 from ._states import CANCELLED, CHECK_KIND, DONE, FAILED, ISSUED, PENDING, STATE_NAMES
 from ._tracks import Track
@@ -404,11 +404,6 @@ class Engine(Places, Edges, Breaks, Events, Idling):
                     error = BackendError(f"{fut.kind}#{fut.seq}: finishing step failed: {exc}")
                     error.__cause__ = exc
             fut.finish = None  # (an emulated AVG's holds its tensor)
-        if error is None and fut.stream is not None and fut.stream[0] == ANY_PEER:
-            try:
-                fut.lane.matched(fut, fut.lane.backend.source(fut._request))
-            except Exception as exc:  # noqa: BLE001 - the backend's failure fails it
-                error = BackendError(f"{fut.kind}#{fut.seq}: its source is unknown: {exc}")
         if state == PENDING:
             fut.start = fut.args = None
         fut.t_done = now = self._clock()

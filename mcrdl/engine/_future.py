@@ -70,7 +70,8 @@ class CommFuture:
         among those of the same peer, tag and direction), start and args: ``start(*args)``
         issues it and returns the
         backend's request, reads and writes: the byte ranges it touches, nbytes: what it
-        moves, finish: run on success before it resolves (an emulated AVG's division),
+        moves, finish: run on success before it resolves (an emulated AVG's division; a
+        receive from any source taking its position, `take_source`),
         hold: what else must stay alive while the backend may use it (the caller's objects it
         reads or writes by address, besides the result), name: the name its members match
         it by (``name=``; None for an operation matched by its position), device: the

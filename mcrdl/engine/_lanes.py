@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from ._names import Names
     from ._tracks import Track
 
-__all__ = ["ANY_PEER", "CommState", "Lane", "OpRecord", "Stops"]
+__all__ = ["ANY_PEER", "CommState", "Lane", "OpRecord", "Stops", "take_source"]
 
 #: The peer of a receive from any source, in its stream ``(peer, tag, sends)`` until a message
 #: matches it: it takes its position then, on the stream of the peer that sent it.
@@ -200,14 +200,6 @@ class Lane:
             self.streams[stream] = n = self.streams.get(stream, 0) + 1
         return n
 
-    def matched(self, fut: CommFuture, peer: int) -> None:
-        """A receive from any source got its message from ``peer``: it takes its position on
-        that peer's stream now. (No receive of its tag was submitted on this lane meanwhile:
-        the communicator refuses them until it has finished.)"""
-        _, tag, _ = fut.stream
-        fut.stream = stream = (peer, tag, False)
-        fut.index = self.take(stream)
-
     def records(self) -> list[OpRecord]:
         """The flight record: the last finished operations of this lane, oldest first."""
         return [OpRecord(k, s, STATE_NAMES[st], n, a, b, c, d)
@@ -218,3 +210,14 @@ class Lane:
             f"<Lane {self.backend_name}:{self.comm_name} rank={self.rank}/{self.size}"
             f" pending={len(self.pending)}>"
         )
+
+
+def take_source(fut: CommFuture) -> None:
+    """The finishing step of a receive from any source (its ``finish``): it got its message
+    from the peer its backend names, and takes its position on that peer's stream now. (No
+    receive of its tag was submitted on its lane meanwhile: the communicator refuses them
+    until it has finished.)"""
+    lane = fut.lane
+    _, tag, _ = fut.stream
+    fut.stream = stream = (lane.backend.source(fut._request), tag, False)
+    fut.index = lane.take(stream)

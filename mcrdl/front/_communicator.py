@@ -15,7 +15,7 @@ import numpy as np
 from ..core._buffers import Buffer, as_buffer, new_buffer
 from ..core._errors import CommClosedError, MCRDLError, UnsupportedOperationError
 from ..core._types import COLLECTIVES, DType, OpKind, ReduceOp
-from ..engine import ANY_PEER, CommFuture
+from ..engine import ANY_PEER, CommFuture, take_source
 from ..engine._names import Names
 from ..engine._states import CHECK_KIND
 from ._alltoallv import Exchanged
@@ -346,14 +346,9 @@ class Communicator:
             src = check_peer("src", src, self.size, self.rank)
         tag = check_tag(tag)
         slot, _ = self._choose(OpKind.RECV, b.dtype, None, b.nbytes, backend, b.device)
-        key = (slot.backend.name, tag)
-        pending = self._any_source.get(key) if self._any_source else None
-        if pending is not None and pending.done():
-            del self._any_source[key]
-        elif pending is not None:
-            raise ValueError(
-                f"a receive of tag {tag} on {key[0]} while receive#{pending.seq} from any "
-                f"source of that tag is unfinished: wait for it first, or use another tag")
+        name = slot.backend.name
+        if self._any_source:
+            self._refuse_beside_any_source(name, tag)
         if src is not None:
             return self._submit(OpKind.RECV, slot, slot.backend.start_recv,
                                 (slot.group, b, src, tag), _NO_RANGES, b.ranges, buf, b.nbytes,
@@ -362,13 +357,26 @@ class Communicator:
             can = [n for n, s in self._slots.items() if s.backend.capabilities.any_source]
             raise UnsupportedOperationError(
                 f"a receive from any source runs on {', '.join(can) or 'no backend here'}, "
-                f"into host memory; this one would be on {key[0]} into {b.device} memory: "
+                f"into host memory; this one would be on {name} into {b.device} memory: "
                 "pass backend=, a host buffer, or src=")
         fut = self._submit(OpKind.RECV, slot, slot.backend.start_recv_any, (slot.group, b, tag),
-                           _NO_RANGES, b.ranges, buf, b.nbytes, after,
+                           _NO_RANGES, b.ranges, buf, b.nbytes, after, take_source,
                            stream=(ANY_PEER, tag, False))
-        self._any_source[key] = fut
+        self._any_source[name, tag] = fut
         return fut
+
+    def _refuse_beside_any_source(self, backend: str, tag: int) -> None:
+        """Refuse a receive of ``tag`` on ``backend`` while one from any source of that tag
+        is unfinished there: which position it takes is known only when it has matched."""
+        pending = self._any_source.get((backend, tag))
+        if pending is None:
+            return
+        if pending.done():
+            del self._any_source[backend, tag]
+            return
+        raise ValueError(
+            f"a receive of tag {tag} on {backend} while receive#{pending.seq} from any "
+            f"source of that tag is unfinished: wait for it first, or use another tag")
 
     # -- collectives ---------------------------------------------------------------------
 
