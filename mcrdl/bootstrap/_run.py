@@ -69,7 +69,6 @@ def run(n: int, command: Sequence[str], host: str = "127.0.0.1") -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        del store  # (the ranks have ended: nobody needs it)
 
 
 def _wait_all(ranks: dict[int, tuple[int, subprocess.Popen[Any]]], store: Any) -> int:

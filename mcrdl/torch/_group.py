@@ -155,8 +155,8 @@ class _Work(_c10d._Work):  # type: ignore[misc]
         # On device tensors, a future of those devices: setting its result records an event on
         # their current streams (behind ``then``'s copies), and whoever waits on it or chains
         # to it waits for that event, as with ProcessGroupNCCL's futures.
-        devices: list[int | str | torch.device] = []
-        devices.extend(sorted({str(t.device) for t in self._result if t.device.type != "cpu"}))
+        devices: list[int | str | torch.device] = [
+            d for d in sorted({str(t.device) for t in self._result if t.device.type != "cpu"})]
         tfut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(devices=devices)
         left = [len(self._futs)]
         count = threading.Lock()
