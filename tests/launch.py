@@ -45,6 +45,10 @@ def start_ranks(n: int, argv: list[str], *, env: dict[str, str] | None = None,
     full_env.update(env or {})
     if launcher == "mpi":
         cmd = [mpiexec(), "-n", str(n), "-prepend-rank", sys.executable, *argv]
+    elif launcher == "mcrdl":  # python -m mcrdl run: no rank's death ends the others
+        cmd = [sys.executable, "-m", "mcrdl", "run", "-n", str(n), *argv]
+    elif launcher == "self":  # one process, which starts the others (Lightning's launcher)
+        cmd = [sys.executable, *argv]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
                "--standalone", "--tee", "3", *argv]

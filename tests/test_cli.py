@@ -171,16 +171,8 @@ def test_importing_mcrdl_starts_no_mpi_thread_or_socket():
 
 def _launch(mode, tmp_path):
     """``python -m mcrdl run -n 3 tests/ranks/launched.py MODE``, finished."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.launch import ROOT
-
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MCRDL_TIMEOUT="5", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "mcrdl", "run", "-n", "3",
-                           "tests/ranks/launched.py", mode, str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return run_ranks(3, ["tests/ranks/launched.py", mode, str(tmp_path)], timeout=120,
+                     launcher="mcrdl", env={"MCRDL_TIMEOUT": "5"})
 
 
 def test_run_starts_the_ranks_from_a_store_of_its_own(tmp_path):

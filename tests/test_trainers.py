@@ -11,14 +11,11 @@ one order, so the parameters are equal bit for bit.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.launch import ROOT, finish, start_ranks
+from tests.launch import finish, start_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -30,14 +27,7 @@ def _run_all(jobs: dict[str, tuple[list[str], str]], tmp: Path) -> dict[str, dic
     for name, (argv, launcher) in jobs.items():
         out = tmp / f"{name}.json"
         argv = [*argv, str(out)] if argv[0].startswith("tests/") else [*argv, "--out", str(out)]
-        if launcher == "lightning":  # one process; Lightning starts the second itself
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "MCRDL_TIMEOUT": "30"}
-            proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    start_new_session=True)
-        else:
-            proc = start_ranks(2, argv, launcher=launcher)
-        started[name] = (proc, out)
+        started[name] = (start_ranks(2, argv, launcher=launcher), out)
     ends = {}
     for name, (proc, out) in started.items():
         done = finish(proc, 300)
@@ -52,7 +42,7 @@ def test_lightning_ddp_over_mcrdl_ends_as_over_gloo(tmp_path):
     pytest.importorskip("lightning")
     ends = _run_all({"gloo": (["examples/lightning_ddp.py", "--backend", "gloo"], "mpi"),
                      "mpi": (["examples/lightning_ddp.py"], "mpi"),
-                     "lightning": (["examples/lightning_ddp.py"], "lightning")}, tmp_path)
+                     "lightning": (["examples/lightning_ddp.py"], "self")}, tmp_path)
     reference = ends["gloo"]
     for launcher in ("mpi", "lightning"):
         got = ends[launcher]
