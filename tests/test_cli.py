@@ -187,7 +187,8 @@ def test_run_leaves_the_others_running_and_tells_them_when_a_rank_dies(tmp_path)
     """Rank 1 is killed while ranks 0 and 2 have nothing in flight. They run on (torchrun's
     agent would stop them), and the launcher tells them at once: their next allreduce on the
     world fails without waiting, with PeerLostError naming rank 1, while the communicator of
-    the two goes on. The job's status is the killed rank's."""
+    the two goes on. Then they shrink the world to themselves and go on there. The job's
+    status is the killed rank's."""
     proc = _launch("die", tmp_path)
     assert proc.returncode == 128 + 9, (proc.stdout + proc.stderr)[-6000:]
     assert "mcrdl run: rank 1 was ended by SIGKILL; the 2 still running go on" in proc.stderr
@@ -199,6 +200,8 @@ def test_run_leaves_the_others_running_and_tells_them_when_a_rank_dies(tmp_path)
         assert outcome.startswith("PeerLostError: allreduce#") and (
             "rank 1 is gone: its process was ended by SIGKILL" in outcome), text
         assert float(after) < 0.5 and pair == "[2.0, 2.0]", text
+        assert re.search(r"shrunk: members=\[0, 2\] rank=[01] sum=\[2.0, 2.0\] "
+                         r"named=\[2.0\] split=1$", text, re.M), text
 
 
 def test_run_refuses_a_job_of_no_ranks_or_no_command():

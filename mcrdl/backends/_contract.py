@@ -26,7 +26,7 @@ from ctypes import memmove
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from ..core._errors import UnsupportedOperationError
+from ..core._errors import BackendUnavailableError, UnsupportedOperationError
 from ..core._types import DType, OpKind, ReduceOp
 
 if TYPE_CHECKING:
@@ -88,6 +88,12 @@ class Capabilities:
         any_source: whether it receives from any source (``start_recv_any``), matched by
             the backend in the order receives were started; ``source`` then says whom its
             message came from.
+        regroups_after_loss: whether ``create_group`` reaches none but the new group's
+            members (gloo: they meet through the store), so that a group of the survivors can
+            be made from a parent some of whose members' processes are gone
+            (`Communicator.shrink`). MPI's reaches the parent's processes through the
+            launcher, which fails once one of them is gone (MPICH; Open MPI's ULFM shrinks
+            instead).
     """
 
     ops: frozenset[OpKind]
@@ -106,6 +112,7 @@ class Capabilities:
     issue_window: int = 0
     aborts_on_mismatch: bool = False
     any_source: bool = False
+    regroups_after_loss: bool = False
 
     def can_reduce(self, op: ReduceOp, dtype: DType) -> bool:
         """Whether ``op`` on ``dtype`` is possible, natively or (AVG) as SUM then divide."""
@@ -183,6 +190,17 @@ class Backend(ABC):
         Called by exactly the members, all with the same arguments; ``tag`` is unique per
         communicator in the runtime, so that concurrent creations cannot match each other.
         """
+
+    def regroup(self, parent: Any, members: Sequence[int], tag: str, store: Any) -> Any:
+        """As ``create_group``, where some of ``parent``'s other processes are gone
+        (`Communicator.shrink`): only a backend whose members meet through ``store``, a
+        store connection of the caller's (``capabilities.regroups_after_loss``), can.
+
+        Raises:
+            BackendUnavailableError: this backend cannot (the default).
+        """
+        raise BackendUnavailableError(
+            f"backend {self.name} cannot make a group once members of its parent are gone")
 
     @abstractmethod
     def free_group(self, group: Any) -> None:

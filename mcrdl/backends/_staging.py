@@ -162,6 +162,9 @@ class StagedBackend(Backend):
     def create_group(self, parent: Any, members: Sequence[int], tag: str) -> Any:
         return self.inner.create_group(parent, members, tag)
 
+    def regroup(self, parent: Any, members: Sequence[int], tag: str, store: Any) -> Any:
+        return self.inner.regroup(parent, members, tag, store)
+
     def free_group(self, group: Any) -> None:
         if not self._queues.get(group):  # (operations given up on may still be queued)
             self._queues.pop(group, None)

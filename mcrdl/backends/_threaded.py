@@ -160,6 +160,10 @@ class ThreadedBackend(Backend):
     def create_group(self, parent: _ThreadedGroup, members: Sequence[int], tag: str) -> Group:
         return self._wrap(self.inner.create_group(parent.inner, members, tag))
 
+    def regroup(self, parent: _ThreadedGroup, members: Sequence[int], tag: str,
+                store: Any) -> Group:
+        return self._wrap(self.inner.regroup(parent.inner, members, tag, store))
+
     def free_group(self, group: _ThreadedGroup) -> None:
         group.worker.put(None)
         self.inner.free_group(group.inner)

@@ -187,6 +187,7 @@ class GlooBackend(Backend):
         blocking_wait=True,
         waits_in_threads=True,
         aborts_on_mismatch=True,
+        regroups_after_loss=True,
     )
 
     @classmethod
@@ -225,12 +226,13 @@ class GlooBackend(Backend):
             self._allreduce_opts[op] = opts
         self._world = self._make(f"world/{bootstrap.size}", bootstrap.rank, bootstrap.size)
 
-    def _make(self, tag: str, rank: int, size: int) -> _GlooGroup:
+    def _make(self, tag: str, rank: int, size: int, store: Any = None) -> _GlooGroup:
         opts = self._PG._Options()  # type: ignore[attr-defined]
         opts._devices = [self._PG.create_device(hostname=self._host, lazy_init=False)]
         opts._threads = 2
         opts._timeout = self._timeout
-        store = self._dist.PrefixStore(f"mcrdl/{tag}", self._store)  # type: ignore[attr-defined]
+        store = self._dist.PrefixStore(f"mcrdl/{tag}",  # type: ignore[attr-defined]
+                                       store or self._store)
         return _GlooGroup(self._PG(store, rank, size, opts), rank, size)
 
     # -- groups --------------------------------------------------------------------------
@@ -240,6 +242,12 @@ class GlooBackend(Backend):
 
     def create_group(self, parent: _GlooGroup, members: Sequence[int], tag: str) -> _GlooGroup:
         return self._make(tag, list(members).index(parent.rank), len(members))
+
+    def regroup(self, parent: _GlooGroup, members: Sequence[int], tag: str,
+                store: Any) -> _GlooGroup:
+        """The members meet through ``store`` alone: the processes of ``parent`` that are
+        gone take no part."""
+        return self._make(tag, list(members).index(parent.rank), len(members), store)
 
     def free_group(self, group: _GlooGroup) -> None:
         group.pg = None

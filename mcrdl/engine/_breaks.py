@@ -156,6 +156,7 @@ class Breaks:
     _lanes: dict[tuple[str, str], Lane]
     _told: deque[tuple[str, str, int, Stops]]
     _lost: deque[tuple[int, str]]
+    gone: dict[int, str]
     _told_early: dict[str, list[tuple[str, int, Stops]]]
     _to_tell: list[tuple[CommState, str, Stops]]
     _track_list: list[Track]
@@ -412,12 +413,19 @@ class Breaks:
         """Break the communicators of the members the launcher told are gone (lock held)."""
         while self._lost:
             gone, cause = self._lost.popleft()
+            self.gone.setdefault(gone, cause)
             for comm in list(self._comms.values()):
-                if gone in comm.members and gone not in comm.lost:
-                    comm.lost.add(gone)
-                    # Its stops: none on any lane, so nothing of it is matched from here.
-                    peer = comm.members.index(gone)
-                    self._heard(comm, f"rank {gone} is gone: {cause}", peer, {})
+                self._break_for_gone(comm)
+
+    def _break_for_gone(self, comm: CommState) -> None:
+        """Break ``comm`` for each of its members that is gone and that it has not yet
+        broken for (lock held)."""
+        for rank in comm.members:
+            if rank in self.gone and rank not in comm.lost:
+                comm.lost.add(rank)
+                # Its stops: none on any lane, so nothing of it is matched from here.
+                self._heard(comm, f"rank {rank} is gone: {self.gone[rank]}",
+                            comm.members.index(rank), {})
 
     def check_signals(self) -> None:
         """Apply what arrived from outside since the last check: an abort, breaks that peers

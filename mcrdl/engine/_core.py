@@ -95,7 +95,7 @@ class Engine(Places, Edges, Breaks, Events, Idling):
         "_n_completed", "log", "drivers", "_burst", "idle_hook", "_deferred", "_gated",
         "_track_list", "_n_polls", "_policy", "_closed_why", "_tracks", "_lanes", "_comms",
         "timeout", "_on_timeout", "_next_check", "_abort_reason", "_told", "_lost",
-        "_told_early",
+        "_told_early", "gone",
         "on_break", "_n_failed", "_n_cancelled", "_n_dropped", "log_edges", "waiting",
         "on_fault", "on_heard",
     )
@@ -148,6 +148,10 @@ class Engine(Places, Edges, Breaks, Events, Idling):
         #: Processes the launcher told are gone, not yet applied (filled from any thread):
         #: (world rank, cause).
         self._lost: deque[tuple[int, str]] = deque()
+        #: The world ranks whose process the launcher told is gone, with how it ended (filled
+        #: as those notices are applied; a communicator made later with one of them is
+        #: born broken).
+        self.gone: dict[int, str] = {}
         #: Those of communicators this rank has not made yet: applied when it is made.
         self._told_early: dict[str, list[tuple[str, int, Stops]]] = {}
         #: Host-lane operations on device buffers whose events are not yet reached (gates).

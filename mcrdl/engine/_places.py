@@ -98,6 +98,7 @@ class Places:
     _tracks: dict[Backend, Track]
     _track_list: list[Track]
     _told_early: dict[str, list[tuple[str, int, Stops]]]
+    gone: dict[int, str]
     _work: deque[tuple[CommFuture, BaseException | None]]
     _deferred: dict[Names, None]
     _zombies: dict[CommFuture, None]
@@ -122,6 +123,8 @@ class Places:
                     state = self._comms[name] = CommState(name, rank, size, tuple(members))
                     for cause, peer, stops in self._told_early.pop(name, ()):
                         self._heard(state, cause, peer, stops)  # it broke before it was made
+                    if self.gone:
+                        self._break_for_gone(state)  # a member was gone before it was made
         return state
 
     def lane(self, backend: Backend, group: Any, comm: CommState, suffix: str = "",
@@ -270,4 +273,5 @@ class Places:
 
     if TYPE_CHECKING:  # the engine's other parts
         def _heard(self, comm: CommState, cause: str, peer: int, stops: Stops) -> None: ...
+        def _break_for_gone(self, comm: CommState) -> None: ...
         def _pump(self, lane: Lane) -> None: ...

@@ -41,6 +41,7 @@ from ..observe._recorder import Recorder, format_summary, summarize, trace_event
 from ..tuning._table import TuningTable
 from ._communicator import Communicator
 from ._select import DEFAULT_PREFERENCE, Selector, Slot
+from ._shrink import shrink
 from ._taskcheck import TaskCheck
 
 __all__ = ["Runtime", "current_runtime", "finalize", "init", "span"]
@@ -135,12 +136,14 @@ class Runtime:
         if notices is None and bootstrap is not None and bootstrap.size > 1:
             self.notices = Notices(bootstrap.store(), bootstrap.rank, self.engine)
         self._comms: list[Communicator] = []
+        #: How many times each communicator was shrunk (the agreement's keys and new names).
+        self.shrinks: dict[str, int] = {}
         #: The task check every communicator calls after a submission (None: off).
         self.task_check = TaskCheck() if config.check_tasks else None
         worlds = {name: b.world() for name, b in self._backends.items()}
         size = next(iter(worlds.values())).size
         extra = self._extra_groups(worlds, list(range(size)), "world")
-        self.world = self._communicator("world", worlds, tuple(range(size)), *extra)
+        self.world = self._communicator("world", worlds, *extra, tuple(range(size)))
         #: The comms log and trace (`mcrdl.observe._recorder`), while either is on.
         self.recorder: Recorder | None = None
         if config.log or config.trace:
@@ -211,23 +214,29 @@ class Runtime:
                 f"backend {name!r} is not up in this runtime; up: {', '.join(self._backends)}"
             ) from None
 
-    def _extra_groups(self, parents: dict[str, Any], members: list[int],
-                      name: str) -> tuple[dict[str, Any], Any]:
+    def _extra_groups(self, parents: dict[str, Any], members: list[int], name: str,
+                      store: Any = None) -> tuple[dict[str, Any], Any]:
         """The groups a communicator needs besides one per backend, made from ``parents``
         (the parent's groups, or the worlds) in name order: one more per backend for named
         operations (rule 8: they never share positions with unnamed ones), and debug mode's
-        group for fingerprints."""
-        named = {bname: self._backends[bname].create_group(parents[bname], members,
-                                                            f"{name}#named")
+        group for fingerprints. ``store``: see `make_groups`."""
+        named = {bname: self._group(bname, parents[bname], members, f"{name}#named", store)
                  for bname in sorted(self._backends)}
         debug = None
         if self.config.debug:
-            debug = self._backends[self.control_backend].create_group(
-                parents[self.control_backend], members, f"{name}#debug")
+            debug = self._group(self.control_backend, parents[self.control_backend], members,
+                                f"{name}#debug", store)
         return named, debug
 
-    def _communicator(self, name: str, groups: dict[str, Any], members: tuple[int, ...],
-                      named_groups: dict[str, Any], debug_group: Any = None) -> Communicator:
+    def _group(self, bname: str, parent: Any, members: Sequence[int], tag: str,
+               store: Any) -> Any:
+        backend = self._backends[bname]
+        if store is None:
+            return backend.create_group(parent, members, tag)
+        return backend.regroup(parent, members, tag, store)
+
+    def _communicator(self, name: str, groups: dict[str, Any], named_groups: dict[str, Any],
+                      debug_group: Any, members: tuple[int, ...]) -> Communicator:
         """The communicator ``name`` over ``groups`` (one per backend) and ``named_groups``
         (the same for named operations); ``members`` are its world ranks, in its rank
         order."""
@@ -308,17 +317,28 @@ class Runtime:
         self, parent: Communicator, name: str, members: Sequence[int]
     ) -> Communicator:
         """The sub-communicator ``name`` of ``members`` of ``parent`` (called by members only)."""
-        groups = {}
         # Group creation blocks among the members only, all of which are making this same
-        # call right after the same allgather, backend by backend in name order (a selector's
-        # preference may differ between ranks); holding the lock keeps MPI serialized.
+        # call right after the same allgather; holding the lock keeps MPI serialized.
         with self.engine.lock:
-            parents = {bname: parent._slots[bname].group for bname in self._backends}
-            for bname in sorted(self._backends):
-                groups[bname] = self._backends[bname].create_group(parents[bname], members, name)
-            extra = self._extra_groups(parents, list(members), name)
-        members = tuple(parent.members[m] for m in members)
-        return self._communicator(name, groups, members, *extra)
+            groups = self.make_groups(parent, members, name)
+        return self._communicator(name, *groups, tuple(parent.members[m] for m in members))
+
+    def make_groups(self, parent: Communicator, members: Sequence[int], name: str,
+                    store: Any = None) -> tuple[dict[str, Any], dict[str, Any], Any]:
+        """Every group a communicator ``name`` of ``members`` of ``parent`` needs: one per
+        backend, one per backend for named operations, debug mode's (or None). Backend by
+        backend in name order (a selector's preference may differ between ranks). With a
+        ``store``, by ``Backend.regroup`` through it: ``parent`` has members that are gone
+        (`Communicator.shrink`)."""
+        parents = {bname: parent._slots[bname].group for bname in self._backends}
+        groups = {bname: self._group(bname, parents[bname], members, name, store)
+                  for bname in sorted(self._backends)}
+        return (groups, *self._extra_groups(parents, list(members), name, store))
+
+    def shrink_communicator(self, comm: Communicator) -> Communicator:
+        """See `Communicator.shrink`."""
+        name, groups, members = shrink(self, comm)
+        return self._communicator(name, *groups, members)
 
     def close_communicator(self, comm: Communicator) -> None:
         """Wait for ``comm``'s unfinished operations, then free its groups."""

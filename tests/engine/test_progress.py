@@ -439,6 +439,29 @@ def test_a_break_a_peer_tells_of_is_applied_at_the_next_check(engine):
         early.exception())
 
 
+def test_a_process_told_gone_breaks_its_communicators_made_before_and_after(engine):
+    """The launcher says world rank 1 is gone: what is in flight on a communicator with it
+    fails with PeerLostError at the next check, so does a communicator with it made later
+    (a shrink's attempt that agreed on it just before it died), and one without it goes
+    on."""
+    from mcrdl import PeerLostError
+
+    mpi = _pair()
+    engine.comm("world", 0, 2, (0, 1))
+    engine.comm("alone", 0, 1, (0,))
+    a = submit(engine, mpi, "allreduce", writes=[A])
+    engine.post_lost(1, "its process was ended by SIGKILL")
+    assert a.state == "ISSUED"  # applied at the next check only
+    engine.check_signals()
+    assert isinstance(a.exception(), PeerLostError)
+    assert "rank 1 is gone: its process was ended by SIGKILL" in str(a.exception())
+    engine.comm("later", 0, 2, (0, 1))
+    later = submit(engine, mpi, "barrier", comm="later")
+    assert isinstance(later.exception(), PeerLostError)
+    assert submit(engine, mpi, "barrier", comm="alone").state == "ISSUED"
+    assert engine.gone == {1: "its process was ended by SIGKILL"}
+
+
 def test_a_communicator_of_one_never_breaks(engine, mpi):
     submit(engine, mpi, "allreduce", writes=[A])
     victim = submit(engine, mpi, "allreduce", writes=[A])

@@ -6,7 +6,8 @@
 group over "mcrdl" from ``env://`` and an all_reduce through it. ``die``: ranks 0 and 2 make
 a communicator of their own, then rank 1 kills itself (SIGKILL) while the others wait with
 nothing in flight; then each tries an allreduce on the world, reports what it raised and how
-long that took, allreduces on their own communicator, and ends normally. Each rank that ends
+long that took, allreduces on their own communicator, then shrinks the world to the two of
+them and runs an allreduce, a named one and a split there, and ends normally. Each rank that ends
 writes ``OUT_DIR/rank<R>.txt``.
 """
 
@@ -45,6 +46,13 @@ else:
     took = time.monotonic() - t0
     together = pair.allreduce(torch.ones(2)).wait().tolist()
     report = f"after={took:.2f} pair={together} lived after rank 1 died: {outcome}"
+    # The survivors' world: its own operations, named ones, and a communicator split from it.
+    world = comm.shrink()
+    total = world.allreduce(torch.full((2,), float(rank))).wait().tolist()
+    named = world.allreduce(torch.ones(1), name="grad/w").wait().tolist()
+    alone = world.split(world.rank)
+    report += (f"\nshrunk: members={list(world.members)} rank={world.rank} sum={total} "
+               f"named={named} split={alone.size}")
 with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
     f.write(report + "\n")
 mcrdl.finalize()

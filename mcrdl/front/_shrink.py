@@ -1,0 +1,131 @@
+"""``Communicator.shrink``: the survivors of a loss agree on who is alive and make a new
+communicator of them (docs/design.md, rule 9).
+
+Two rounds of the survivors' agreement (`mcrdl.bootstrap._agree`) per attempt:
+
+1. **Who is in.** Every live member says so; the answer is the same set on every one of
+   them.
+2. **Who made it.** Each makes its groups among that set (`Backend.regroup`, on a thread: a
+   member that dies meanwhile leaves the others' group creation waiting in the backend, so
+   the caller stops watching it once that member is known gone), then says whether it did. If every member
+   of the set did, that is the new communicator; if one is gone before saying so, or said
+   it could not, the attempt's groups are given up (`Backend.abandon`: a peer may still be
+   connected to them) and the next attempt starts from the set of the first round, with new
+   keys and new group names. A member that could not make its groups while nobody died
+   fails the shrink on every member, with its error.
+
+Every member goes through the same attempts, since each round's answer is the same on each.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from ..bootstrap._agree import agree
+from ..core._errors import BackendUnavailableError, MCRDLError
+
+if TYPE_CHECKING:
+    from ._communicator import Communicator
+    from ._runtime import Runtime
+
+__all__ = ["shrink"]
+
+#: Seconds between two looks at the gone ranks while a group creation is under way.
+_WATCH = 0.01
+
+Groups = tuple[dict[str, Any], dict[str, Any], Any]
+
+
+def shrink(runtime: Runtime, comm: Communicator) -> tuple[str, Groups, tuple[int, ...]]:
+    """The name, groups and members (world ranks, in rank order) of the communicator of
+    ``comm``'s live members, agreed by all of them (see the module docstring).
+
+    Raises:
+        BackendUnavailableError: a backend of ``comm`` cannot make a group once members are
+            gone, or there is no launched job's store to agree through.
+        MCRDLError: a live member did not take part within the bootstrap's timeout, or could
+            not make its groups while nobody died.
+    """
+    cannot = sorted(n for n, b in runtime._backends.items()
+                    if not b.capabilities.regroups_after_loss)
+    if cannot:
+        raise BackendUnavailableError(
+            f"cannot shrink {comm.name}: backend(s) {', '.join(cannot)} cannot make a group "
+            f"once members are gone (MPICH's launcher fails; its fault-tolerant mode does not "
+            f"start); bring up only backends that can (init(backends='gloo')), under a "
+            f"launcher that lets the survivors live (python -m mcrdl run)")
+    bootstrap = runtime.bootstrap
+    if bootstrap is None:
+        raise BackendUnavailableError(
+            f"cannot shrink {comm.name}: the runtime has no launched job's store to agree "
+            f"through")
+    store = bootstrap.store()
+    engine = runtime.engine
+
+    def gone() -> set[int]:
+        engine.check_signals()  # (applies the notices that arrived)
+        return set(engine.gone)
+
+    runtime.shrinks[comm.name] = n = runtime.shrinks.get(comm.name, 0) + 1
+    members = list(comm.members)
+    attempt = 0
+    while True:
+        key = f"mcrdl/shrink/{comm.name}/{n}/{attempt}"
+        live = list(agree(store, f"{key}/in", bootstrap.rank, members, "in", gone,
+                          bootstrap.timeout))
+        name = f"{comm.name}.s{n}" + (f"r{attempt}" if attempt else "")
+        made, error = _make(runtime, comm, [comm.members.index(m) for m in live], name,
+                            live, gone, store)
+        said = agree(store, f"{key}/made", bootstrap.rank, live,
+                     "ok" if made is not None else f"failed: {error}", gone, bootstrap.timeout)
+        if made is not None and len(said) == len(live) and all(v == "ok" for v in said.values()):
+            return name, made, tuple(live)
+        if made is not None:
+            _abandon(runtime, made)
+        failed = {m: v for m, v in said.items() if v != "ok"}
+        if len(said) == len(live) and failed:  # nobody died: a retry would fail alike
+            raise MCRDLError(
+                f"cannot shrink {comm.name}: "
+                + "; ".join(f"rank {m} {v}" for m, v in failed.items()))
+        members = live
+        attempt += 1
+
+
+def _make(runtime: Runtime, comm: Communicator, indices: list[int], name: str,
+          live: list[int], gone: Any, store: Any) -> tuple[Groups | None, str]:
+    """``name``'s groups among ``indices`` (ranks of ``comm``; world ranks ``live``), or
+    None and why: it failed, or a member of ``live`` is gone before it finished.
+
+    The members meet through a connection of their own to ``store``: a creation given up
+    while it waits for a member that is gone holds its connection until the backend's
+    timeout, and neither the agreement nor the next attempt may queue behind it."""
+    result: list[Any] = []
+    meet = store.clone()
+
+    def build() -> None:
+        try:
+            result.append(runtime.make_groups(comm, indices, name, meet))
+        except Exception as exc:  # noqa: BLE001 - reported to every member by the agreement
+            result.append(exc)
+
+    thread = threading.Thread(target=build, name="mcrdl-shrink", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(_WATCH)
+        lost = gone() & set(live)
+        if lost and thread.is_alive():  # (left to end on the backend's own timeout)
+            return None, f"ranks {sorted(lost)} are gone"
+    made = result[0]
+    if isinstance(made, Exception):
+        return None, f"{type(made).__name__}: {str(made).splitlines()[0] if str(made) else ''}"
+    return made, ""
+
+
+def _abandon(runtime: Runtime, made: Groups) -> None:
+    """Give up the groups of an attempt that did not complete on every member."""
+    groups, named, debug = made
+    for bname, group in [*groups.items(), *named.items()]:
+        runtime._backends[bname].abandon(group)
+    if debug is not None:
+        runtime._backends[runtime.control_backend].abandon(debug)
