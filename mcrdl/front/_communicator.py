@@ -641,21 +641,17 @@ class Communicator:
         return self._runtime.make_communicator(self, f"{self.name}.{n}c{color}", members)
 
     def shrink(self) -> Communicator:
-        """A communicator of this one's members whose processes are alive, on every backend:
-        after `PeerLostError`, the survivors go on.
-
-        Every live member must call it (collective over them); they agree on who is alive,
-        even when another member dies meanwhile (the agreement then starts over without it),
-        and each gets the new communicator: ranks in this one's order, renumbered from 0.
-        This communicator stays broken. A member is known dead once the launcher tells
-        (``python -m mcrdl run``); under another launcher, ``shrink`` waits for every member
-        and fails after the bootstrap's timeout, naming those that did not come.
+        """A communicator of this one's members whose processes are alive, on every backend
+        (after `PeerLostError`: docs/reliability.md, "Going on"). Collective over the live
+        members, which agree on who is alive even when another dies meanwhile; ranks keep
+        this one's order. This one stays broken.
 
         Raises:
-            BackendUnavailableError: a backend of this communicator cannot make a group once
-                members are gone (MPI: bring up gloo only, ``init(backends="gloo")``).
-            MCRDLError: a live member did not call ``shrink`` within the timeout, or could not
-                make its groups.
+            BackendUnavailableError: a backend here cannot make a group once members are
+                gone (MPI: bring up gloo only).
+            MCRDLError: a live member did not call it within the bootstrap's timeout (under
+                a launcher that does not tell of deaths, a dead one), or could not make its
+                groups.
         """
         return self._runtime.shrink_communicator(self)
 

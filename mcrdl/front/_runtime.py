@@ -136,8 +136,7 @@ class Runtime:
         if notices is None and bootstrap is not None and bootstrap.size > 1:
             self.notices = Notices(bootstrap.store(), bootstrap.rank, self.engine)
         self._comms: list[Communicator] = []
-        #: How many times each communicator was shrunk (the agreement's keys and new names).
-        self.shrinks: dict[str, int] = {}
+        self.shrinks: dict[str, int] = {}  #: times each communicator was shrunk
         #: The task check every communicator calls after a submission (None: off).
         self.task_check = TaskCheck() if config.check_tasks else None
         worlds = {name: b.world() for name, b in self._backends.items()}
