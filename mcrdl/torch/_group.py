@@ -160,6 +160,7 @@ class _Work(_c10d._Work):  # type: ignore[misc]
         tfut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(devices=devices)
         left = [len(self._futs)]
         count = threading.Lock()
+        failed: list[BaseException] = []
 
         def done(_: CommFuture) -> None:
             with count:
@@ -167,14 +168,22 @@ class _Work(_c10d._Work):  # type: ignore[misc]
                 if left[0]:
                     return
             error = self._settle()
-            if error is None:
-                tfut.set_result(self._result)
-            else:
-                tfut.set_exception(error)  # type: ignore[arg-type]
+            if error is not None:
+                failed.append(error)
+            tfut.set_result(self._result)
+
+        def unwrap(fut: torch.futures.Future[list[torch.Tensor]]) -> list[torch.Tensor]:
+            if failed:
+                raise failed[0]
+            return fut.value()
 
         for fut in self._futs:
             fut.add_done_callback(done)
-        return tfut
+        # An error raised in a ``then`` callback is the chained future's error in C++ too;
+        # ``Future.set_exception`` only sets the result to the exception, which C++ readers
+        # of the value (DDP's reducer: a list of tensors) take as it is and crash on
+        # (a failed allreduce under DDP ended the process with SIGSEGV).
+        return tfut.then(unwrap)
 
 
 # -- the process group -----------------------------------------------------------------
