@@ -72,6 +72,7 @@ def sim_capabilities(semantics: str, device: bool = False) -> Capabilities:
         in_order=semantics in ("nccl", "stream"),
         blocking_calls=semantics == "blocking",
         issue_window=1 if semantics == "windowed" else 0,
+        regroups_after_loss=True,  # (a simulated group is made by each member alone)
     )
 
 
@@ -228,6 +229,10 @@ class SimBackend(Backend):
         world_members = tuple(parent.members[m] for m in members)
         return SimGroup(tag, world_members, world_members.index(self.world_rank),
                         len(world_members))
+
+    def regroup(self, parent: SimGroup, members: Sequence[int], tag: str,
+                store: Any) -> SimGroup:
+        return self.create_group(parent, members, tag)
 
     def free_group(self, group: SimGroup) -> None:
         pass

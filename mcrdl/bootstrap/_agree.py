@@ -25,19 +25,33 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..core import MCRDLError
 
-__all__ = ["agree"]
+__all__ = ["Meeting", "agree"]
 
 #: Seconds between two reads of the store while members are missing.
 _POLL = 0.002
 
 
-def agree(store: Any, key: str, me: int, members: Sequence[int], value: str,
-          gone: Callable[[], Collection[int]], timeout: float) -> dict[int, str]:
-    """Write ``value`` as member ``me`` at ``key``; return what each of ``members`` wrote
+@dataclass(frozen=True)
+class Meeting:
+    """Where the survivors agree: a ``store`` every rank reaches (set, check, multi_get,
+    clone: a torch store), this process's world ``rank``, how many seconds a round may wait
+    (``timeout``), and how to wait between two reads (``pause``; a simulated world hands its
+    baton on instead of sleeping)."""
+
+    store: Any
+    rank: int
+    timeout: float
+    pause: Callable[[float], None] = time.sleep
+
+
+def agree(meeting: Meeting, key: str, members: Sequence[int], value: str,
+          gone: Callable[[], Collection[int]]) -> dict[int, str]:
+    """Write ``value`` as this member at ``key``; return what each of ``members`` wrote
     there (world ranks), once each has written or is gone: the same on every member.
 
     ``gone`` gives the ranks known gone so far (it may grow between calls, never shrink).
@@ -49,7 +63,8 @@ def agree(store: Any, key: str, me: int, members: Sequence[int], value: str,
     def slot(m: int) -> str:
         return f"{key}/{m}"
 
-    store.set(slot(me), value)
+    store, timeout = meeting.store, meeting.timeout
+    store.set(slot(meeting.rank), value)
     deadline = time.monotonic() + timeout
     while True:
         lost = set(gone())  # (before the keys are read: see the module docstring)
@@ -64,4 +79,4 @@ def agree(store: Any, key: str, me: int, members: Sequence[int], value: str,
                 f"{key}: ranks {missing} neither answered within {timeout:g} s nor are known "
                 f"gone: each live member must call shrink(); a process that died is known "
                 f"gone only under a launcher that tells (python -m mcrdl run)")
-        time.sleep(_POLL)
+        meeting.pause(_POLL)

@@ -65,6 +65,9 @@ class Notices:
         the communicator broken for ``cause`` (returns at once)."""
         payload = json.dumps({
             "comm": comm.name, "cause": cause, "rank": comm.rank,
+            # Members it knows are gone (the launcher told it first): the peer's errors
+            # then say so too, whichever notice reaches it first.
+            "gone": {str(r): self._engine.gone.get(r, "") for r in sorted(comm.lost)},
             "stops": {key: [first, [[*stream, n] for stream, n in streams.items()]]
                       for key, (first, streams) in stops.items()},
         })
@@ -97,6 +100,8 @@ class Notices:
                     self._engine.post_lost(int(notice["lost"]), str(notice["cause"]))
                     self._engine.check_signals()
                     continue
+                for lost, why in notice.get("gone", {}).items():
+                    self._engine.post_lost(int(lost), str(why))
                 stops: Stops = {
                     key: (first, {(peer, tag, bool(sends)): n for peer, tag, sends, n in streams})
                     for key, (first, streams) in notice["stops"].items()}

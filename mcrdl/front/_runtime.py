@@ -23,6 +23,7 @@ import numpy as np
 from ..backends import Backend, backend_class, known_backends
 from ..backends._staging import StagedBackend
 from ..backends._threaded import ThreadedBackend, Threads
+from ..bootstrap._agree import Meeting
 from ..bootstrap._launch import Bootstrap, finalize_mpi, mpi_up
 from ..bootstrap._notices import Notices
 from ..core._config import Config
@@ -75,6 +76,7 @@ class Runtime:
         threads: Threads | None = None,
         selector: Selector | None = None,
         notices: Any = None,
+        meeting: Meeting | None = None,
         staging: Callable[[Backend, Mapping[str, Any]], Backend] = StagedBackend,
     ) -> None:
         if not backends:
@@ -137,6 +139,7 @@ class Runtime:
             self.notices = Notices(bootstrap.store(), bootstrap.rank, self.engine)
         self._comms: list[Communicator] = []
         self.shrinks: dict[str, int] = {}  #: times each communicator was shrunk
+        self._meeting = meeting
         #: The task check every communicator calls after a submission (None: off).
         self.task_check = TaskCheck() if config.check_tasks else None
         worlds = {name: b.world() for name, b in self._backends.items()}
@@ -333,6 +336,22 @@ class Runtime:
         groups = {bname: self._group(bname, parents[bname], members, name, store)
                   for bname in sorted(self._backends)}
         return (groups, *self._extra_groups(parents, list(members), name, store))
+
+    def meeting(self) -> Meeting:
+        """Where survivors agree (`Communicator.shrink`): the bootstrap's store, unless the
+        runtime was given a meeting point (a simulated world's).
+
+        Raises:
+            BackendUnavailableError: there is neither (a runtime made without a launcher).
+        """
+        if self._meeting is None:
+            if self.bootstrap is None:
+                raise BackendUnavailableError(
+                    "this runtime has no launched job's store for the survivors to agree "
+                    "through")
+            self._meeting = Meeting(self.bootstrap.store(), self.bootstrap.rank,
+                                    self.bootstrap.timeout)
+        return self._meeting
 
     def shrink_communicator(self, comm: Communicator) -> Communicator:
         """See `Communicator.shrink`."""

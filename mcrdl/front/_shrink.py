@@ -43,7 +43,8 @@ def shrink(runtime: Runtime, comm: Communicator) -> tuple[str, Groups, tuple[int
 
     Raises:
         BackendUnavailableError: a backend of ``comm`` cannot make a group once members are
-            gone, or there is no launched job's store to agree through.
+            gone, or there is no launched job's store to agree through
+            (`Runtime.meeting`).
         MCRDLError: a live member did not take part within the bootstrap's timeout, or could
             not make its groups while nobody died.
     """
@@ -55,12 +56,7 @@ def shrink(runtime: Runtime, comm: Communicator) -> tuple[str, Groups, tuple[int
             f"once members are gone (MPICH's launcher fails; its fault-tolerant mode does not "
             f"start); bring up only backends that can (init(backends='gloo')), under a "
             f"launcher that lets the survivors live (python -m mcrdl run)")
-    bootstrap = runtime.bootstrap
-    if bootstrap is None:
-        raise BackendUnavailableError(
-            f"cannot shrink {comm.name}: the runtime has no launched job's store to agree "
-            f"through")
-    store = bootstrap.store()
+    meeting = runtime.meeting()
     engine = runtime.engine
 
     def gone() -> set[int]:
@@ -72,13 +68,12 @@ def shrink(runtime: Runtime, comm: Communicator) -> tuple[str, Groups, tuple[int
     attempt = 0
     while True:
         key = f"mcrdl/shrink/{comm.name}/{n}/{attempt}"
-        live = list(agree(store, f"{key}/in", bootstrap.rank, members, "in", gone,
-                          bootstrap.timeout))
+        live = list(agree(meeting, f"{key}/in", members, "in", gone))
         name = f"{comm.name}.s{n}" + (f"r{attempt}" if attempt else "")
         made, error = _make(runtime, comm, [comm.members.index(m) for m in live], name,
-                            live, gone, store)
-        said = agree(store, f"{key}/made", bootstrap.rank, live,
-                     "ok" if made is not None else f"failed: {error}", gone, bootstrap.timeout)
+                            live, gone, meeting.store)
+        said = agree(meeting, f"{key}/made", live,
+                     "ok" if made is not None else f"failed: {error}", gone)
         if made is not None and len(said) == len(live) and all(v == "ok" for v in said.values()):
             return name, made, tuple(live)
         if made is not None:

@@ -28,6 +28,7 @@ import numpy as np
 from ..backends import Backend
 from ..backends._threaded import Threads
 from ..backends.sim import SimBackend, SimGroup, SimOp, reduce_stack
+from ..bootstrap._agree import Meeting
 from ..core._buffers import Buffer
 from ..core._config import Config
 from ..engine import Engine, PollPolicy
@@ -36,13 +37,14 @@ from ..engine._fusion import carried
 from ..front._runtime import Runtime
 from ..observe._flight import flight_record
 from ._device import KIND as SIM_KIND
+from ._sim_parts import Condition, Notices, Rendezvous, Store
 from ._device import SimDevice
 
 if TYPE_CHECKING:
     from ..front._communicator import Communicator
     from ..front._select import Selector
 
-__all__ = ["SimAborted", "SimDeadlock", "SimMismatch", "SimWorld"]
+__all__ = ["SimAborted", "SimDeadlock", "SimKilled", "SimMismatch", "SimWorld"]
 
 _DRIVE_CODE = drive_async.__code__
 #: Simulated seconds per scheduler step (the engines' clock, for timeouts).
@@ -82,60 +84,8 @@ class _Thread:
     gate: threading.Lock = field(default_factory=_closed_gate)
 
 
-class _Rendezvous:
-    """What a SimBackend is made from (the Rendezvous protocol, plus the world)."""
-
-    def __init__(self, world: SimWorld, rank: int, name: str, semantics: str) -> None:
-        self.sim_world = world
-        self.sim_name = name
-        self.sim_semantics = semantics
-        self.rank = rank
-        self.size = world.size
-        self.launcher = "sim"
-        self.host = "sim"
-        self.timeout = 0.0
-
-    def store(self) -> Any:
-        raise RuntimeError("simulated backends need no store")
-
-
-class _Condition:
-    """A condition variable for simulated threads: waiting hands the baton back."""
-
-    def __init__(self, world: SimWorld) -> None:
-        self._world = world
-
-    def __enter__(self) -> _Condition:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def wait(self) -> None:
-        self._world.yield_()
-
-    def notify(self) -> None:
-        self._world.note_progress()
-
-
-class _Notices:
-    """The simulated notice board: a rank's break reaches its peers' engines at once (they
-    apply it at their next check, as real ranks do when the store delivers it)."""
-
-    def __init__(self, world: SimWorld, rank: int, engine: Engine) -> None:
-        self._world = world
-        self._rank = rank
-        engine.on_break = self.tell
-
-    def tell(self, comm: Any, cause: str, stops: Any) -> None:
-        for member in comm.members:
-            if member != self._rank:
-                self._world.runtimes[member].engine.post_break(comm.name, cause, comm.rank,
-                                                               stops)
-        self._world.note_progress()
-
-    def close(self) -> None:
-        pass
+class SimKilled(BaseException):
+    """Unwinds a simulated rank that `SimWorld.kill` ended (its process died)."""
 
 
 class _SimThreads(Threads):
@@ -146,7 +96,7 @@ class _SimThreads(Threads):
         self._world.spawn(fn, name, None)
 
     def condition(self) -> Any:
-        return _Condition(self._world)
+        return Condition(self._world)
 
 
 class SimWorld:
@@ -233,9 +183,14 @@ class SimWorld:
             [SimDevice(self, rank) for rank in range(size)]
             if device or "stream" in self.backends.values() else [])
         threads = _SimThreads(self)
+        self.store = Store(self)
+        #: Ranks `kill` ended, and the launcher's notices of them not yet delivered: (the
+        #: step it reaches that rank, the rank it tells, the rank that died).
+        self.killed: set[int] = set()
+        self._notices: list[tuple[int, int, int]] = []
         self.runtimes: list[Runtime] = []
         for rank in range(size):
-            sims = {name: SimBackend(_Rendezvous(self, rank, name, sem))
+            sims = {name: SimBackend(Rendezvous(self, rank, name, sem))
                     for name, sem in self.backends.items()}
             if not wrap_blocking:
                 for b in sims.values():
@@ -257,8 +212,10 @@ class SimWorld:
             engine.idle_hook = self._idle
             selector = selector_factory(rank, tuple(sims)) if selector_factory else None
             config = Config(progress_thread=False, timeout=timeout, debug=debug)
+            meeting = Meeting(self.store, rank, float("inf"), self._pause)
             self.runtimes.append(Runtime(config, None, sims, engine=engine, threads=threads,
-                                         selector=selector, notices=_Notices(self, rank, engine),
+                                         selector=selector, notices=Notices(self, rank, engine),
+                                         meeting=meeting,
                                          **({} if staging is None else {"staging": staging})))
 
     def clock(self) -> float:
@@ -287,6 +244,8 @@ class SimWorld:
             if self._aborted:
                 raise SimAborted()
             t.result = fn()
+        except SimKilled:
+            pass  # (its result stays None)
         except BaseException as exc:  # noqa: BLE001 - reported by run()
             t.error = exc
         finally:
@@ -318,6 +277,36 @@ class SimWorld:
         while self.step < t.wake_at:
             self.yield_()
 
+    def _pause(self, seconds: float) -> None:
+        """A survivor waiting between two reads of the store lets the others run."""
+        self.yield_()
+
+    def kill(self) -> None:
+        """End the calling rank as a killed process would end: it issues nothing more, and
+        each other rank's launcher notice of it arrives after a delay of its own (up to
+        ``max_delay`` steps), as the real ones arrive when each listener runs.
+
+        Raises:
+            SimKilled: always (it unwinds the rank's program).
+        """
+        rank = self._by_ident[threading.get_ident()].rank
+        assert rank is not None, "kill() is called by a rank's program"
+        self.killed.add(rank)
+        for other in range(self.size):
+            if other != rank and other not in self.killed:
+                delay = int(self.rng.integers(self.max_delay + 1))
+                self._notices.append((self.step + delay, other, rank))
+        raise SimKilled(f"rank {rank} was killed")
+
+    def _deliver(self) -> None:
+        """Hand each due launcher notice to its rank's engine."""
+        due = [n for n in self._notices if n[0] <= self.step]
+        for notice in due:
+            self._notices.remove(notice)
+            _, to, lost = notice
+            self.runtimes[to].engine.post_lost(lost, "its process was killed (simulated)")
+            self.progress += 1
+
     def note_progress(self) -> None:
         """Something moved (the scheduler's deadlock detection counts these)."""
         self.progress += 1
@@ -345,9 +334,10 @@ class SimWorld:
             while not all(t.finished for t in ranks):
                 if self.mismatch is not None:
                     raise SimMismatch(self.mismatch)
+                before = self.progress
+                self._deliver()
                 alive = [t for t in self._threads if not t.finished]
                 t = alive[int(self.rng.integers(len(alive)))]
-                before = self.progress
                 for dev in self.devices:  # the devices run between the threads' turns
                     if dev.advance():
                         self.progress += 1
@@ -377,6 +367,7 @@ class SimWorld:
                 due = [op.ready_at for op in self._pending if op.ready_at is not None]
                 due += [d for dev in self.devices for d in dev.due()]
                 due += self._deadlines()
+                due += [at for at, _, _ in self._notices]
                 if any(d <= self.step for d in due) and retried != self.step:
                     retried = self.step  # due now, but every poll came before: once more
                     quiet.clear()

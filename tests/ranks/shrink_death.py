@@ -21,11 +21,11 @@ victim, point, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
 if int(os.environ["RANK"]) == victim:
     agree = shrink.agree
 
-    def answer_then_die(store, key, me, members, value, gone, timeout):
+    def answer_then_die(meeting, key, members, value, gone):
         if key.endswith(f"/{point}"):
-            store.set(f"{key}/{me}", value)  # (the round's own key for this member)
+            meeting.store.set(f"{key}/{meeting.rank}", value)  # (its own key in the round)
             os.kill(os.getpid(), signal.SIGKILL)
-        return agree(store, key, me, members, value, gone, timeout)
+        return agree(meeting, key, members, value, gone)
 
     shrink.agree = answer_then_die
 sys.argv = ["examples/elastic.py", *args]

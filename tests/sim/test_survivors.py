@@ -1,0 +1,132 @@
+"""Survivors in the simulated world (docs/design.md, rule 9): a rank dies mid-step, the
+launcher's notice of it reaches each other rank after a delay of its own, and the survivors
+shrink their communicator and train on; under every interleaving they end with the sum a
+reference computes over the survivors, and nothing hangs. Another rank may die on its way:
+before it calls ``shrink``, or right after it answered a round of the agreement. Going on
+without the agreement's wait (each survivor with the members it believes alive) is caught.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mcrdl.front._shrink as shrink_module
+from mcrdl import MCRDLError, PeerLostError
+from mcrdl.bootstrap import _agree
+from mcrdl.testing import SimDeadlock, SimMismatch, SimWorld
+
+STEPS = 5
+SEEDS = range(10)
+#: (ranks, (the rank that dies, at the start of which step), another that dies in the
+#: recovery and where: before it calls shrink, or after answering the round "in" or "made").
+CASES = {
+    "1 of 3": (3, (1, 2), None),
+    "0 of 4, then 2 before its shrink": (4, (0, 2), (2, "before")),
+    "3 of 4, then 1 having said it is in": (4, (3, 1), (1, "in")),
+    "2 of 4, then 0 having said it made its groups": (4, (2, 2), (0, "made")),
+}
+
+
+def _contribution(rank: int, step: int) -> np.ndarray:
+    return np.full(3, float((rank + 1) * (step + 3)))
+
+
+def _reference(size: int, lost: set[int], at: int) -> np.ndarray:
+    """Every rank's contributions before step ``at``, the survivors' from it on."""
+    return sum((_contribution(r, step) for step in range(STEPS) for r in range(size)
+                if step < at or r not in lost), np.zeros(3))
+
+
+def _elastic(world: SimWorld, dies: tuple[int, int], also: tuple[int, str] | None):
+    def program(comm):
+        me = comm.rank
+        w, step, shrunk = np.zeros(3), 0, False
+        kept = {0: w}
+        while step < STEPS:
+            if (me, step) == dies:
+                world.kill()
+            kept = {step - 1: kept.get(step - 1, w), step: w}
+            try:
+                if shrunk:  # every survivor goes on from the earliest step any is at
+                    step = int(comm.allgather(np.array([step])).wait().min())
+                    w, shrunk = kept[step], False
+                total = comm.allreduce(_contribution(me, step)).wait()
+            except PeerLostError:
+                if also == (me, "before"):
+                    world.kill()
+                comm, shrunk = comm.shrink(), True
+                continue
+            w = w + total
+            step += 1
+        return w, comm.members
+    return program
+
+
+@pytest.fixture
+def dying_in_the_agreement(monkeypatch):
+    """``arm(world, rank, round)``: that rank dies right after answering that round."""
+    def arm(world: SimWorld, victim: int, point: str) -> None:
+        agree = shrink_module.agree  # (as it is now: a test may have replaced it)
+
+        def answer_then_die(meeting, key, members, value, gone):
+            if meeting.rank == victim and key.endswith(f"/{point}"):
+                meeting.store.set(f"{key}/{meeting.rank}", value)
+                world.kill()
+            return agree(meeting, key, members, value, gone)
+
+        monkeypatch.setattr(shrink_module, "agree", answer_then_die)
+    return arm
+
+
+def _run(size, dies, also, seed, arm):
+    world = SimWorld(size, seed=seed)
+    if also is not None and also[1] != "before":
+        arm(world, *also)
+    results = world.run(_elastic(world, dies, also))
+    lost = {dies[0]} | ({also[0]} if also else set())
+    return results, lost
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("case", CASES)
+def test_the_survivors_shrink_and_end_as_the_reference(case, seed, dying_in_the_agreement):
+    size, dies, also = CASES[case]
+    results, lost = _run(size, dies, also, seed, dying_in_the_agreement)
+    survivors = [r for r in range(size) if r not in lost]
+    expected = _reference(size, lost, dies[1])
+    for rank in range(size):
+        if rank in lost:
+            assert results[rank] is None
+            continue
+        w, members = results[rank]
+        assert list(members) == survivors, (rank, members)
+        assert w.tolist() == expected.tolist(), (rank, w, expected)
+
+
+def test_going_on_without_the_agreement_is_caught(monkeypatch, dying_in_the_agreement):
+    """Each survivor takes the members it believes alive when it reaches the round, without
+    waiting for the others: where another rank dies during the recovery, survivors that
+    learn of it at different times make different communicators, and some interleaving
+    then hangs, fails or gives a wrong sum."""
+    def without_waiting(meeting, key, members, value, gone):
+        meeting.store.set(f"{key}/{meeting.rank}", value)
+        lost = set(gone())
+        return {m: value for m in members if m not in lost}
+
+    monkeypatch.setattr(_agree, "agree", without_waiting)
+    monkeypatch.setattr(shrink_module, "agree", without_waiting)
+    caught = []
+    for case in ("0 of 4, then 2 before its shrink", "3 of 4, then 1 having said it is in"):
+        size, dies, also = CASES[case]
+        for seed in SEEDS:
+            try:
+                results, lost = _run(size, dies, also, seed, dying_in_the_agreement)
+            except (SimDeadlock, SimMismatch, AssertionError, MCRDLError) as exc:
+                caught.append((case, seed, type(exc).__name__))
+                continue
+            expected = _reference(size, lost, dies[1]).tolist()
+            if any(r is not None and r[0].tolist() != expected for r in results):
+                caught.append((case, seed, "wrong sum"))
+    print(f"caught in {len(caught)} of {2 * len(SEEDS)} runs: {caught}")
+    assert caught
