@@ -34,12 +34,18 @@ import mcrdl
 DIM, BATCH, LR = 8, 16, 0.05
 
 
-def gradient(w: torch.Tensor, rank: int, step: int) -> torch.Tensor:
-    """The mean-squared-error gradient of world rank ``rank``'s batch at ``step``."""
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """World rank ``rank``'s batch at ``step``: inputs and targets."""
     g = torch.Generator().manual_seed(1000 * rank + step)
     x = torch.randn(BATCH, DIM, generator=g, dtype=torch.float64)
     y = x @ torch.arange(1.0, DIM + 1, dtype=torch.float64)
     y += 0.1 * torch.randn(BATCH, generator=g, dtype=torch.float64)
+    return x, y
+
+
+def gradient(w: torch.Tensor, rank: int, step: int) -> torch.Tensor:
+    """The mean-squared-error gradient of world rank ``rank``'s batch at ``step``."""
+    x, y = batch(rank, step)
     return 2 * x.T @ (x @ w - y) / BATCH
 
 

@@ -1,8 +1,10 @@
 """A rank dies and the others train on (docs/design.md, rule 9): examples/elastic.py under
 ``python -m mcrdl run`` loses a rank mid-step, the survivors shrink the world and end with
 the parameters of a reference that trains with every rank before the loss and with the
-survivors from it on. Rank 0 included (the store lives in the launcher), and with one more
-rank killed inside the shrink, at each round of the survivors' agreement."""
+survivors from it on. Rank 0 included (the store lives in the launcher), with one more rank
+killed inside the shrink, at each round of the survivors' agreement, and through torch
+(examples/elastic_ddp.py: DDP over "mcrdl", wrapped again on the survivors' default group).
+"""
 
 from __future__ import annotations
 
@@ -20,6 +22,10 @@ JOBS = {"1 of 3": (3, 1, None), "0 of 4, 2 in the shrink's first round": (4, 0, 
 
 
 def test_the_survivors_shrink_and_end_as_the_reference(tmp_path):
+    # Through torch as well: DDP over "mcrdl" loses rank 0 (the store it was started from
+    # is the launcher's, not rank 0's), the survivors' default group is remade, DDP too.
+    ddp = start_ranks(3, ["examples/elastic_ddp.py", "--die-rank", "0", "--die-step", "3"],
+                      launcher="mcrdl")
     started = {}
     for name, (n, dies, in_shrink) in JOBS.items():
         out = tmp_path / name.replace(" ", "_").replace(",", "").replace("'", "")
@@ -46,3 +52,7 @@ def test_the_survivors_shrink_and_end_as_the_reference(tmp_path):
         for end in ends.values():
             assert end["first_step_after"] - killed < 15, f"{name}: {end}\n{log}"
         assert "the parameters match the reference" in done.stdout, f"{name}:\n{log}"
+    done = finish(ddp, 90)
+    log = (done.stdout + done.stderr)[-6000:]
+    assert done.returncode == 128 + 9, log
+    assert "survivors [1, 2] of 3: the parameters match the reference" in done.stdout, log

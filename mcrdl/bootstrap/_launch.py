@@ -142,10 +142,16 @@ class Bootstrap:
         self._store: Any = None
         self._mpi_comm: Any = None
         self._given: Any = None
+        self._agent_store = False
         #: Called (from a signal handler: flag-setting only) when a peer process dies.
         self.on_peer_failure: list[Any] = []
         if given is not None:
             self._given, self.rank, self.size = given
+            # Its launcher's own store (torchrun's agent, python -m mcrdl run): the one no
+            # rank's death takes away, where rank 0's would go with rank 0.
+            self._agent_store = (env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+                                 and env.get("RANK") == str(self.rank)
+                                 and env.get("WORLD_SIZE") == str(self.size))
             global _generation
             _generation += 1  # every rank brings mcrdl up as often: the same keys everywhere
             self._prefix = f"mcrdl/{_generation}/"
@@ -265,7 +271,7 @@ class Bootstrap:
         timeout = datetime.timedelta(seconds=self.timeout)
         if self.launcher == "single":
             return dist.HashStore()  # type: ignore[attr-defined]
-        if self.launcher == "torchrun":
+        if self.launcher == "torchrun" or self._agent_store:
             rdv = dist.rendezvous  # type: ignore[attr-defined]
             store, _, _ = next(rdv("env://", self.rank, self.size, timeout=timeout))
             return store

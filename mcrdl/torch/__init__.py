@@ -48,12 +48,15 @@ from ..front._runtime import current_runtime, init
 from ._group import BACKEND_NAME, ProcessGroupMCRDL, region
 
 __all__ = ["BACKEND_NAME", "ProcessGroupMCRDL", "backend", "communicator",
-           "init_process_group", "set_backend"]
+           "init_process_group", "set_backend", "shrink"]
 
 _TORCH_DEFAULT_TIMEOUT = dist.constants.default_pg_timeout
 #: torch.distributed as this module uses it (its stubs type the group protocol as the
 #: user-facing overloads).
 _c10d: Any = dist
+#: The communicator under torch's default group once `shrink` replaced mcrdl's world there
+#: (None: the world).
+_default: Communicator | None = None
 
 
 @contextlib.contextmanager
@@ -97,6 +100,31 @@ def init_process_group(**kwargs: Any) -> None:
                             rank=world.rank, world_size=world.size)
 
 
+def shrink() -> Communicator:
+    """After a loss (`mcrdl.PeerLostError`): torch's default group becomes one of the
+    survivors, and their mcrdl `Communicator` is returned. Collective over the live members
+    (`Communicator.shrink`: they agree on who is alive). Every group of before is destroyed,
+    as ``dist.destroy_process_group()`` does: wrap the model in DDP or FSDP2 again, and make
+    other groups again, on the new default group. Ranks are renumbered from 0 in the old
+    order (``dist.get_rank()`` changes; the returned communicator's ``members`` are the
+    world ranks).
+
+    Raises:
+        TypeError: torch's default group is not an mcrdl one.
+        MCRDLError: see `Communicator.shrink`.
+    """
+    global _default
+    survivors = _pg(None).comm.shrink()
+    runtime = survivors.runtime
+    dist.destroy_process_group()
+    _default = survivors
+    store = _c10d.PrefixStore(f"mcrdl.torch/{survivors.name}",
+                              runtime.bootstrap.store())  # type: ignore[union-attr]
+    dist.init_process_group(BACKEND_NAME, store=store, rank=survivors.rank,
+                            world_size=survivors.size)
+    return survivors
+
+
 def _pg(group: Any) -> ProcessGroupMCRDL:
     pg = _c10d.distributed_c10d._get_default_group() if group is None else group
     if not isinstance(pg, ProcessGroupMCRDL):
@@ -131,15 +159,20 @@ def _create(opts: Any, backend_options: Any = None) -> ProcessGroupMCRDL:
             f"mcrdl times out every operation after its runtime's "
             f"{runtime.config.timeout} s: pass the timeout to the first mcrdl.init() or "
             f"dist.init_process_group(), or set MCRDL_TIMEOUT", stacklevel=2)
-    world = runtime.world  # type: ignore[union-attr]
-    # The default group is mcrdl's world; every other group, even one of all the ranks, is a
-    # communicator of its own: torch orders collectives per group, and two groups sharing a
-    # communicator would match one group's collective with the other's.
+    global _default
+    if _default is not None and _default.runtime is not runtime:
+        _default = None  # (a runtime of before: finalized)
+    world = _default or runtime.world  # type: ignore[union-attr]
+    # The default group is mcrdl's world (or the survivors'); every other group, even one of
+    # all the ranks, is a communicator of its own: torch orders collectives per group, and
+    # two groups sharing a communicator would match one group's collective with the other's.
+    # (After a shrink torch numbers its groups anew: their names start from the survivors'.)
     if not dist.is_initialized() and ranks == list(range(world.size)):
         comm = world
     else:
+        prefix = "torch" if _default is None else f"{_default.name}.torch"
         comm = runtime.make_communicator(  # type: ignore[union-attr]
-            world, f"torch.{opts.group_id}", ranks)
+            world, f"{prefix}.{opts.group_id}", ranks)
     if comm.rank != opts.group_rank or comm.size != opts.group_size:
         raise MCRDLError(
             f"torch.distributed's group {opts.group_id!r} has this process as rank "
