@@ -17,7 +17,7 @@ from tests.launch import finish, start_ranks
 pytestmark = pytest.mark.multirank
 
 #: (ranks, the rank that dies mid-step, the one that dies in the shrink, and where).
-JOBS = {"1 of 3": (3, 1, None), "0 of 4, 2 in the shrink's first round": (4, 0, (2, "in")),
+JOBS = {"0 of 4, 2 in the shrink's first round": (4, 0, (2, "in")),
         "3 of 4, 1 having made its groups": (4, 3, (1, "made"))}
 
 
