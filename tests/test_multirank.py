@@ -37,11 +37,12 @@ def test_contract(n):
 #: of imports on every rank, and each module has a communicator of its own: a failed one
 #: cannot desync the next).
 SUITES = ["tests/multirank/test_semantics.py", "tests/multirank/test_faults.py",
-          "tests/multirank/test_named.py", "tests/multirank/test_programs.py"]
+          "tests/multirank/test_named.py", "tests/multirank/test_programs.py",
+          "tests/multirank/test_torch_backend.py"]
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_semantics_faults_named_and_generated_programs(n):
+def test_semantics_faults_named_programs_and_the_torch_backend(n):
     run_suite(n, SUITES)
 
 
@@ -126,11 +127,6 @@ def test_a_dead_peer_makes_every_survivor_raise_and_nothing_hangs(tmp_path):
 @pytest.mark.parametrize("n", FOUR_SLOW)
 def test_debug_mode(n):
     run_suite(n, "tests/multirank/test_debug.py", env={"MCRDL_DEBUG": "1"})
-
-
-@pytest.mark.parametrize("n", [2, 4])
-def test_torch_distributed_backend(n):
-    run_suite(n, "tests/multirank/test_torch_backend.py")
 
 
 def _replay_example(tmp_path) -> subprocess.CompletedProcess[str]:
