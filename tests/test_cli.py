@@ -169,10 +169,10 @@ def test_importing_mcrdl_starts_no_mpi_thread_or_socket():
     assert out == ["1", "False", "0"], out
 
 
-def _launch(mode, tmp_path):
+def _launch(mode, tmp_path, **env):
     """``python -m mcrdl run -n 3 tests/ranks/launched.py MODE``, finished."""
     return run_ranks(3, ["tests/ranks/launched.py", mode, str(tmp_path)], timeout=120,
-                     launcher="mcrdl", env={"MCRDL_TIMEOUT": "5"})
+                     launcher="mcrdl", env={"MCRDL_TIMEOUT": "5", **env})
 
 
 def test_run_starts_the_ranks_from_a_store_of_its_own(tmp_path):
@@ -189,7 +189,7 @@ def test_run_leaves_the_others_running_and_tells_them_when_a_rank_dies(tmp_path)
     world fails without waiting, with PeerLostError naming rank 1, while the communicator of
     the two goes on. Then they shrink the world to themselves and go on there. The job's
     status is the killed rank's."""
-    proc = _launch("die", tmp_path)
+    proc = _launch("die", tmp_path, MCRDL_TRACE=str(tmp_path / "trace.json"))
     assert proc.returncode == 128 + 9, (proc.stdout + proc.stderr)[-6000:]
     assert "mcrdl run: rank 1 was ended by SIGKILL; the 2 still running go on" in proc.stderr
     reports = {p.name: p.read_text() for p in tmp_path.glob("rank*.txt")}
@@ -202,6 +202,10 @@ def test_run_leaves_the_others_running_and_tells_them_when_a_rank_dies(tmp_path)
         assert float(after) < 0.5 and pair == "[2.0, 2.0]", text
         assert re.search(r"shrunk: members=\[0, 2\] rank=[01] sum=\[2.0, 2.0\] "
                          r"named=\[2.0\] split=1$", text, re.M), text
+        # The trace is gathered from the live ranks, without waiting for rank 1 (5 s here).
+        assert float(re.search(r"finalize=([\d.]+)", text)[1]) < 3, text
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"] if "pid" in e} >= {0, 2}, trace["otherData"]
 
 
 def test_run_refuses_a_job_of_no_ranks_or_no_command():

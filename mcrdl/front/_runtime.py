@@ -156,12 +156,19 @@ class Runtime:
     # -- the comms log and trace -----------------------------------------------------------
 
     def _gather(self, comm: Communicator, payload: Any, everyone: bool) -> list[Any] | None:
-        """Every member's ``payload`` through the bootstrap store (see Recorder.gather)."""
+        """Every member's ``payload`` through the bootstrap store (see Recorder.gather), in
+        ``comm``'s rank order; the members known gone take no part (their entries None, and
+        the lowest live member stands for member 0), rather than be waited for."""
         rec = self.recorder
         if rec is None or comm.size == 1 or self.bootstrap is None:
             return [payload]
-        return rec.gather(self.bootstrap.store(), comm.members, comm.rank, payload,
-                          min(self.config.timeout or 60.0, 60.0), everyone)
+        live = [m for m in comm.members if m not in self.engine.gone]
+        got = rec.gather(self.bootstrap.store(), live, live.index(comm.members[comm.rank]),
+                         payload, min(self.config.timeout or 60.0, 60.0), everyone)
+        if got is None:
+            return None
+        by_rank = dict(zip(live, got, strict=True))
+        return [by_rank.get(m) for m in comm.members]
 
     def log_records(self) -> list[dict[str, Any]]:
         """This rank's comms log (`Recorder.records`); MCRDLError while it is off."""

@@ -7,7 +7,8 @@ group over "mcrdl" from ``env://`` and an all_reduce through it. ``die``: ranks 
 a communicator of their own, then rank 1 kills itself (SIGKILL) while the others wait with
 nothing in flight; then each tries an allreduce on the world, reports what it raised and how
 long that took, allreduces on their own communicator, then shrinks the world to the two of
-them and runs an allreduce, a named one and a split there, and ends normally. Each rank that ends
+them and runs an allreduce, a named one and a split there, and ends normally (writing a trace
+when ``MCRDL_TRACE`` says where). Each rank that ends
 writes ``OUT_DIR/rank<R>.txt``.
 """
 
@@ -53,6 +54,8 @@ else:
     alone = world.split(world.rank)
     report += (f"\nshrunk: members={list(world.members)} rank={world.rank} sum={total} "
                f"named={named} split={alone.size}")
+t0 = time.monotonic()
+mcrdl.finalize()  # (the trace, when on, is gathered from the live ranks only)
+report += f"\nfinalize={time.monotonic() - t0:.2f}"
 with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
     f.write(report + "\n")
-mcrdl.finalize()
