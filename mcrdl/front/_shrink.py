@@ -7,12 +7,13 @@ Two rounds of the survivors' agreement (`mcrdl.bootstrap._agree`) per attempt:
    them.
 2. **Who made it.** Each makes its groups among that set (`Backend.regroup`, on a thread: a
    member that dies meanwhile leaves the others' group creation waiting in the backend, so
-   the caller stops watching it once that member is known gone), then says whether it did. If every member
-   of the set did, that is the new communicator; if one is gone before saying so, or said
-   it could not, the attempt's groups are given up (`Backend.abandon`: a peer may still be
-   connected to them) and the next attempt starts from the set of the first round, with new
-   keys and new group names. A member that could not make its groups while nobody died
-   fails the shrink on every member, with its error.
+   the caller stops watching it once that member is known gone), then says whether it did.
+   If every member of the set did, that is the new communicator. Otherwise the attempt's
+   groups are given up (`Backend.abandon`: a peer may still be connected to them) and the
+   next attempt starts from the set of the first round, with new keys and new group names.
+   Attempts that fail with no member known gone (a death can fail a group creation before
+   its notice arrives) are retried twice; the third fails the shrink on every member, with
+   their errors.
 
 Every member goes through the same attempts, since each round's answer is the same on each.
 """
@@ -33,6 +34,11 @@ __all__ = ["shrink"]
 
 #: Seconds between two looks at the gone ranks while a group creation is under way.
 _WATCH = 0.01
+#: A member's answer when a member it made its groups with is gone.
+_GONE = "a member is gone"
+#: Attempts that failed with nobody known gone, after the first, before the shrink fails: a
+#: death can fail a group creation before its notice has arrived anywhere.
+_RETRIES = 2
 
 Groups = tuple[dict[str, Any], dict[str, Any], Any]
 
@@ -72,17 +78,18 @@ def shrink(runtime: Runtime, comm: Communicator) -> tuple[str, Groups, tuple[int
         name = f"{comm.name}.s{n}" + (f"r{attempt}" if attempt else "")
         made, error = _make(runtime, comm, [comm.members.index(m) for m in live], name,
                             live, gone, meeting.store)
-        said = agree(meeting, f"{key}/made", live,
-                     "ok" if made is not None else f"failed: {error}", gone)
+        if made is None and gone() & set(live):
+            error = _GONE  # (what failed it, whether or not its watcher saw it first)
+        said = agree(meeting, f"{key}/made", live, "ok" if made is not None else error, gone)
         if made is not None and len(said) == len(live) and all(v == "ok" for v in said.values()):
             return name, made, tuple(live)
         if made is not None:
             _abandon(runtime, made)
-        failed = {m: v for m, v in said.items() if v != "ok"}
-        if len(said) == len(live) and failed:  # nobody died: a retry would fail alike
+        died = len(said) < len(live) or _GONE in said.values()
+        if not died and attempt >= _RETRIES:  # nobody died: another attempt would fail alike
             raise MCRDLError(
-                f"cannot shrink {comm.name}: "
-                + "; ".join(f"rank {m} {v}" for m, v in failed.items()))
+                f"cannot shrink {comm.name}: " + "; ".join(
+                    f"rank {m} failed: {v}" for m, v in said.items() if v != "ok"))
         members = live
         attempt += 1
 
@@ -108,9 +115,8 @@ def _make(runtime: Runtime, comm: Communicator, indices: list[int], name: str,
     thread.start()
     while thread.is_alive():
         thread.join(_WATCH)
-        lost = gone() & set(live)
-        if lost and thread.is_alive():  # (left to end on the backend's own timeout)
-            return None, f"ranks {sorted(lost)} are gone"
+        if gone() & set(live) and thread.is_alive():  # (left to end on the backend's timeout)
+            return None, _GONE
     made = result[0]
     if isinstance(made, Exception):
         return None, f"{type(made).__name__}: {str(made).splitlines()[0] if str(made) else ''}"

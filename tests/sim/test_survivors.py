@@ -130,3 +130,30 @@ def test_going_on_without_the_agreement_is_caught(monkeypatch, dying_in_the_agre
                 caught.append((case, seed, "wrong sum"))
     print(f"caught in {len(caught)} of {2 * len(SEEDS)} runs: {caught}")
     assert caught
+
+
+def test_a_member_that_cannot_make_its_groups_fails_the_shrink_everywhere(monkeypatch):
+    """Nobody died during the shrink, yet rank 2 cannot make its groups: after two more
+    attempts every survivor's shrink fails, naming that rank and its error."""
+    from mcrdl.backends.sim import SimBackend
+
+    regroup = SimBackend.regroup
+
+    def refuse(self, parent, members, tag, store):
+        if self.world_rank == 2:
+            raise RuntimeError("no room for a group")
+        return regroup(self, parent, members, tag, store)
+
+    monkeypatch.setattr(SimBackend, "regroup", refuse)
+    world = SimWorld(3, seed=0)
+
+    def program(comm):
+        if comm.rank == 1:
+            world.kill()
+        with pytest.raises(PeerLostError):
+            comm.allreduce(np.ones(2)).wait()
+        with pytest.raises(MCRDLError, match=r"rank 2 failed: RuntimeError: no room for a group"):
+            comm.shrink()
+        return True
+
+    assert world.run(program) == [True, None, True]
