@@ -179,8 +179,8 @@ def test_run_starts_the_ranks_from_a_store_of_its_own(tmp_path):
     """torchrun's environment, its store in the launcher: mcrdl and torch's env:// start."""
     proc = _launch("ok", tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    reports = [p.read_text() for p in sorted(tmp_path.glob("rank*.txt"))]
-    assert reports == ["launcher=torchrun size=3 first=[3.0, 3.0] torch=[3.0, 3.0, 3.0]\n"] * 3
+    reports = [p.read_text().splitlines()[0] for p in sorted(tmp_path.glob("rank*.txt"))]
+    assert reports == ["launcher=torchrun size=3 first=[3.0, 3.0] torch=[3.0, 3.0, 3.0]"] * 3
 
 
 def test_run_leaves_the_others_running_and_tells_them_when_a_rank_dies(tmp_path):
