@@ -204,6 +204,11 @@ def test_run_leaves_the_others_running_and_tells_them_when_a_rank_dies(tmp_path)
                          r"named=\[2.0\] split=1$", text, re.M), text
         # The trace is gathered from the live ranks, without waiting for rank 1 (5 s here).
         assert float(re.search(r"finalize=([\d.]+)", text)[1]) < 3, text
+    for rank in (0, 2):  # the flight recorder knows the survivors' communicator
+        dump = json.loads((tmp_path / f"fr-{rank}.json").read_text())
+        lanes = {lane["lane"]: lane["submitted"] for lane in dump["lanes"]}
+        # its allreduce and the split's allgather; the named allreduce on its own lane
+        assert lanes.get("gloo:world.s1") == 2 and lanes.get("gloo:world.s1#named"), lanes
     trace = json.loads((tmp_path / "trace.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"] if "pid" in e} >= {0, 2}, trace["otherData"]
 

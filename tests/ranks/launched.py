@@ -7,8 +7,9 @@ group over "mcrdl" from ``env://`` and an all_reduce through it. ``die``: ranks 
 a communicator of their own, then rank 1 kills itself (SIGKILL) while the others wait with
 nothing in flight; then each tries an allreduce on the world, reports what it raised and how
 long that took, allreduces on their own communicator, then shrinks the world to the two of
-them and runs an allreduce, a named one and a split there, and ends normally (writing a trace
-when ``MCRDL_TRACE`` says where). Each rank that ends
+them and runs an allreduce, a named one and a split there, dumps its flight recorder
+(``OUT_DIR/fr-<R>.json``), and ends normally (writing a trace when ``MCRDL_TRACE`` says
+where). Each rank that ends
 writes ``OUT_DIR/rank<R>.txt``.
 """
 
@@ -52,6 +53,7 @@ else:
     total = world.allreduce(torch.full((2,), float(rank))).wait().tolist()
     named = world.allreduce(torch.ones(1), name="grad/w").wait().tolist()
     alone = world.split(world.rank)
+    world.dump_flight_recorder(os.path.join(out, "fr-{rank}.json"))
     report += (f"\nshrunk: members={list(world.members)} rank={world.rank} sum={total} "
                f"named={named} split={alone.size}")
 t0 = time.monotonic()
