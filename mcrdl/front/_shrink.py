@@ -21,6 +21,7 @@ Every member goes through the same attempts, since each round's answer is the sa
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..bootstrap._agree import agree
@@ -95,7 +96,8 @@ def shrink(runtime: Runtime, comm: Communicator) -> tuple[str, Groups, tuple[int
 
 
 def _make(runtime: Runtime, comm: Communicator, indices: list[int], name: str,
-          live: list[int], gone: Any, store: Any) -> tuple[Groups | None, str]:
+          live: list[int], gone: Callable[[], set[int]],
+          store: Any) -> tuple[Groups | None, str]:
     """``name``'s groups among ``indices`` (ranks of ``comm``; world ranks ``live``), or
     None and why: it failed, or a member of ``live`` is gone before it finished.
 

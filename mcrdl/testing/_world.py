@@ -37,8 +37,8 @@ from ..engine._fusion import carried
 from ..front._runtime import Runtime
 from ..observe._flight import flight_record
 from ._device import KIND as SIM_KIND
-from ._sim_parts import Condition, Notices, Rendezvous, Store
 from ._device import SimDevice
+from ._sim_parts import Condition, Notices, Rendezvous, Store
 
 if TYPE_CHECKING:
     from ..front._communicator import Communicator
@@ -288,9 +288,12 @@ class SimWorld:
 
         Raises:
             SimKilled: always (it unwinds the rank's program).
+            RuntimeError: it was called from a worker thread, not a rank's program.
         """
         rank = self._by_ident[threading.get_ident()].rank
-        assert rank is not None, "kill() is called by a rank's program"
+        if rank is None:
+            raise RuntimeError("kill() ends the rank whose program calls it; it was called "
+                               "from a simulated worker thread, which belongs to no rank")
         self.killed.add(rank)
         for other in range(self.size):
             if other != rank and other not in self.killed:
@@ -299,7 +302,9 @@ class SimWorld:
         raise SimKilled(f"rank {rank} was killed")
 
     def _deliver(self) -> None:
-        """Hand each due launcher notice to its rank's engine."""
+        """Hand each due launcher notice to its rank's engine (every scheduler step)."""
+        if not self._notices:
+            return
         due = [n for n in self._notices if n[0] <= self.step]
         for notice in due:
             self._notices.remove(notice)
