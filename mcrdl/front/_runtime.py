@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 
 from ..backends import Backend, backend_class, known_backends
 from ..backends._staging import StagedBackend
@@ -42,6 +41,7 @@ from ..observe._recorder import Recorder, format_summary, summarize, trace_event
 from ..tuning._table import TuningTable
 from ._communicator import Communicator
 from ._select import DEFAULT_PREFERENCE, Selector, Slot
+from ._settings import agree_on_settings
 from ._shrink import shrink
 from ._taskcheck import TaskCheck
 
@@ -51,8 +51,6 @@ _live: list[Runtime] = []
 _live_lock = threading.RLock()  # init() finalizes a runtime it failed to agree on
 _atexit_registered = False
 
-#: What a rank's tuning check says it holds (the first byte of its digest).
-_NONE, _TABLE, _UNREADABLE = 0, 1, 2
 #: Backends a launcher can bring up by default, in bring-up order.
 _DEFAULTS = {"mpi": ("mpi", "gloo"), "single": ("mpi", "gloo"), "torchrun": ("gloo",),
              "store": ("gloo",)}
@@ -271,47 +269,6 @@ class Runtime:
         comm = Communicator(self, name, slots, members, debug, named)
         self._comms.append(comm)
         return comm
-
-    def agree_on_settings(self) -> None:
-        """Check that every rank holds the same tuning table (the hash of its entries), or
-        that none holds one, and the same ``fusion_bytes`` (every member must fuse alike).
-        Every rank runs it at ``init()``, with a table or without: a rank that skipped it
-        would match its first collective against the others' check.
-
-        Raises:
-            MCRDLError: a rank could not read its table, or the ranks hold different tables
-                (or some none), or different ``fusion_bytes``; on every rank, naming what
-                each holds.
-        """
-        digest = np.zeros(41, dtype=np.uint8)
-        if self.tuning is not None:
-            digest[0] = _TABLE
-            digest[1:33] = np.frombuffer(bytes.fromhex(self.tuning.hash), dtype=np.uint8)
-        elif self._tuning_error is not None:
-            digest[0] = _UNREADABLE
-        digest[33:] = np.frombuffer(self.config.fusion_bytes.to_bytes(8, "little"),
-                                    dtype=np.uint8)
-        world = self.world
-        table = world.allgather(digest, backend=self.control_backend).wait().reshape(
-            world.size, 41)
-        fusion = [int.from_bytes(bytes(row[33:]), "little") for row in table]
-        if len(set(fusion)) > 1:
-            raise MCRDLError(
-                "ranks do not have the same fusion_bytes: "
-                + "; ".join(f"rank {rank}: {value}" for rank, value in enumerate(fusion))
-                + "; give every rank the same (init(fusion_bytes=...) or MCRDL_FUSION_BYTES)")
-        table = table[:, :33]
-        if (table == table[0]).all() and table[0, 0] != _UNREADABLE:
-            return
-        names = {_NONE: "none", _UNREADABLE: "unreadable"}
-        rows = [f"rank {rank}: "
-                + (bytes(row[1:]).hex()[:12] if row[0] == _TABLE else names[int(row[0])])
-                for rank, row in enumerate(table)]
-        why = f" ({self._tuning_error})" if self._tuning_error else ""
-        raise MCRDLError(
-            f"ranks do not hold the same tuning table{why}: {'; '.join(rows)}; give every rank "
-            f"the same file (init(tuning=...) or MCRDL_TUNING), or none"
-        )
 
     @property
     def control_backend(self) -> str:
@@ -671,7 +628,7 @@ def init(
         runtime = Runtime(config, bootstrap, up)
         if config.tuning or bootstrap.size > 1:
             try:
-                runtime.agree_on_settings()
+                agree_on_settings(runtime)
             except MCRDLError:
                 runtime.finalize()
                 raise
