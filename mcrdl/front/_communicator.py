@@ -19,7 +19,7 @@ from ..engine import ANY_PEER, CommFuture, take_source
 from ..engine._names import Names
 from ..engine._states import CHECK_KIND
 from ._alltoallv import Exchanged
-from ._debug import FIELDS, check, describe, fingerprint, task_id
+from ._debug import FIELDS, check, describe, of_operation, task_id
 from ._validate import (
     check_counts,
     check_name,
@@ -246,7 +246,7 @@ class Communicator:
         same on every member by rule 4)."""
         names = tuple(sorted(self._slots))  # rank-invariant, unlike a selector's order
         self._cseq = cseq = self._cseq + 1
-        fp = self._fingerprint(cseq, kind, backend, args, task_id())
+        fp = of_operation(cseq, kind, backend, args, names, task_id())
         dbg = cast("Slot", self._debug)  # (called in debug mode only)
         table = np.empty((self.size, FIELDS), dtype=np.int64)
         name = self.name
@@ -261,22 +261,6 @@ class Communicator:
              new_buffer(table, False, DType.INT64)),
             _NO_RANGES, _NO_RANGES, table, fp.nbytes, finish, mine)
         return [*after, self._engine.submit(check_fut)]
-
-    def _fingerprint(self, seq: int, kind: OpKind, backend: str | None, args: tuple[Any, ...],
-                     task: tuple[int, bool] = (0, False)) -> np.ndarray:
-        """What every member must agree on about a collective, as `fingerprint` fields."""
-        # Scatter's input exists on the root only, so its output describes it; alltoallv's
-        # row counts differ per rank, so only its row shape.
-        bufs = [a for a in args[1:] if isinstance(a, Buffer)]
-        buf = bufs[-1] if kind is OpKind.SCATTER and bufs else (bufs[0] if bufs else None)
-        dtype, shape = (buf.dtype, buf.shape) if buf is not None else (None, ())
-        if kind is OpKind.ALLTOALLV:
-            shape = shape[1:]
-        root = next((a for a in args[2:] if type(a) is int), -1)
-        op = next((a for a in args if type(a) is ReduceOp), None)
-        names = tuple(sorted(self._slots))
-        return fingerprint(seq, kind, dtype, shape, root, op,
-                           -1 if backend is None else names.index(backend), task)
 
     def _signature(self, kind: OpKind, backend: str, args: tuple[Any, ...],
                    on_device: bool) -> str:
@@ -296,8 +280,8 @@ class Communicator:
         if sig is None:
             if len(self._sigs) >= 4096:  # (alltoallv's counts vary: never grow unbounded)
                 self._sigs.clear()
-            sig = describe(self._fingerprint(0, kind, backend, args), sorted(self._slots),
-                           seq=False)
+            names = sorted(self._slots)
+            sig = describe(of_operation(0, kind, backend, args, names), names, seq=False)
             if on_device:
                 sig += " in device memory"
             self._sigs[key] = sig

@@ -25,13 +25,15 @@ import asyncio
 import re
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
+from ..core._buffers import Buffer
 from ..core._errors import DesyncError
 from ..core._types import DType, OpKind, ReduceOp
 
-__all__ = ["FIELDS", "check", "describe", "fingerprint", "task_id"]
+__all__ = ["FIELDS", "check", "describe", "fingerprint", "of_operation", "task_id"]
 
 _KINDS = list(OpKind)
 _DTYPES = list(DType)
@@ -81,6 +83,24 @@ def fingerprint(seq: int, kind: OpKind, dtype: DType | None, shape: Sequence[int
     row += [0] * (FIELDS - 1 - len(row))
     row.append(int(task[1]))
     return np.array(row, dtype=np.int64)
+
+
+def of_operation(seq: int, kind: OpKind, backend: str | None, args: tuple[Any, ...],
+                 backends: Sequence[str], task: tuple[int, bool] = (0, False)) -> np.ndarray:
+    """The fingerprint of a collective started with ``args`` (its start's arguments, the
+    group first) on ``backend`` (None: routed by its agreed size), of a communicator whose
+    backends are ``backends`` (sorted: the same on every member)."""
+    # Scatter's input exists on the root only, so its output describes it; alltoallv's
+    # row counts differ per rank, so only its row shape.
+    bufs = [a for a in args[1:] if isinstance(a, Buffer)]
+    buf = bufs[-1] if kind is OpKind.SCATTER and bufs else (bufs[0] if bufs else None)
+    dtype, shape = (buf.dtype, buf.shape) if buf is not None else (None, ())
+    if kind is OpKind.ALLTOALLV:
+        shape = shape[1:]
+    root = next((a for a in args[2:] if type(a) is int), -1)
+    op = next((a for a in args if type(a) is ReduceOp), None)
+    return fingerprint(seq, kind, dtype, shape, root, op,
+                       -1 if backend is None else list(backends).index(backend), task)
 
 
 def describe(row: np.ndarray, backends: Sequence[str], seq: bool = True) -> str:
