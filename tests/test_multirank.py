@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.launch import ROOT, run_ranks, run_suite
+from tests.launch import NO_OPENMPI, ROOT, have_openmpi, run_ranks, run_suite
 
 pytestmark = pytest.mark.multirank
 
@@ -23,14 +23,22 @@ pytestmark = pytest.mark.multirank
 FOUR_SLOW = [2, pytest.param(4, marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_contract(n):
+#: Open MPI, with its fault tolerance on (ULFM), beside the venv's MPICH: mcrdl runs on both.
+OPEN_MPI = pytest.mark.skipif(not have_openmpi(), reason=NO_OPENMPI)
+
+
+@pytest.mark.parametrize("n,launcher", [
+    (2, "mpi"), pytest.param(4, "openmpi", marks=OPEN_MPI),
+    pytest.param(4, "mpi", marks=pytest.mark.slow), pytest.param(2, "openmpi", marks=[
+        OPEN_MPI, pytest.mark.slow])])
+def test_contract(n, launcher):
     # Every dtype at 2 ranks; at 4 (oversubscribed) every operation on both backends with
     # the dtypes that take distinct paths (MPI's own types, bfloat16 and float16 reduced in
-    # Python, 64-bit integers, bool), and the rest of the suite.
+    # Python, 64-bit integers, bool), and the rest of the suite. On MPICH at 2 ranks, on Open
+    # MPI at 4, in the default set; the other two in the slow set.
     extra = (["-k", "float32 or int64 or float16 or bool or barrier or mebibyte"] if n == 4
              else None)
-    run_suite(n, "tests/multirank/test_contract.py", extra=extra)
+    run_suite(n, "tests/multirank/test_contract.py", extra=extra, launcher=launcher)
 
 
 #: Suites that need only a world: one launch per size runs them all (a launch costs seconds
@@ -41,9 +49,10 @@ SUITES = ["tests/multirank/test_semantics.py", "tests/multirank/test_faults.py",
           "tests/multirank/test_torch_backend.py"]
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_semantics_faults_named_programs_and_the_torch_backend(n):
-    run_suite(n, SUITES)
+@pytest.mark.parametrize("n,launcher", [
+    (2, "mpi"), (4, "mpi"), pytest.param(2, "openmpi", marks=[OPEN_MPI, pytest.mark.slow])])
+def test_semantics_faults_named_programs_and_the_torch_backend(n, launcher):
+    run_suite(n, SUITES, launcher=launcher)
 
 
 def _overlap(progress_thread: str, env: dict[str, str] | None = None) -> list[str]:

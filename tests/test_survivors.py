@@ -4,6 +4,8 @@ the parameters of a reference that trains with every rank before the loss and wi
 survivors from it on. Rank 0 included (the store lives in the launcher), with one more rank
 killed inside the shrink, at each round of the survivors' agreement, and through torch
 (examples/elastic_ddp.py: DDP over "mcrdl", wrapped again on the survivors' default group).
+The same under Open MPI's mpiexec with its fault tolerance on (ULFM), MPI up beside gloo:
+MPI learns of the death and carries the agreement, since the store there lives in rank 0.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import json
 
 import pytest
 
-from tests.launch import finish, start_ranks
+from tests import died_idle
+from tests.launch import NO_OPENMPI, finish, have_openmpi, start_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -21,23 +24,61 @@ JOBS = {"0 of 4, 2 in the shrink's first round": (4, 0, (2, "in")),
         "3 of 4, 1 having made its groups": (4, 3, (1, "made"))}
 
 
+#: The same under Open MPI with ULFM: (ranks, who dies mid-step, who in the shrink and where,
+#: the backend of the example's allreduce).
+ULFM_JOBS = {"0 of 4 on gloo, 2 in the shrink's first round": (4, 0, (2, "in"), "gloo"),
+             "1 of 3 on mpi, 2 having made its groups": (3, 1, (2, "made"), "mpi")}
+
+
+def _start(tmp_path, name, n, dies, in_shrink, launcher, extra=()):
+    out = tmp_path / name.replace(" ", "_").replace(",", "").replace("'", "")
+    out.mkdir()
+    example = ["--die-rank", str(dies), "--die-step", "3", "--out", str(out), *extra]
+    argv = (["examples/elastic.py", *example] if in_shrink is None else
+            ["tests/ranks/shrink_death.py", str(in_shrink[0]), in_shrink[1], *example])
+    return start_ranks(n, argv, launcher=launcher), out, n, dies, in_shrink
+
+
 def test_the_survivors_shrink_and_end_as_the_reference(tmp_path):
     # Through torch as well: DDP over "mcrdl" loses rank 0 (the store it was started from
     # is the launcher's, not rank 0's), the survivors' default group is remade, DDP too.
     ddp = start_ranks(3, ["examples/elastic_ddp.py", "--die-rank", "0", "--die-step", "3"],
                       launcher="mcrdl")
-    started = {}
-    for name, (n, dies, in_shrink) in JOBS.items():
-        out = tmp_path / name.replace(" ", "_").replace(",", "").replace("'", "")
-        out.mkdir()
-        example = ["--die-rank", str(dies), "--die-step", "3", "--out", str(out)]
-        argv = (["examples/elastic.py", *example] if in_shrink is None else
-                ["tests/ranks/shrink_death.py", str(in_shrink[0]), in_shrink[1], *example])
-        started[name] = (start_ranks(n, argv, launcher="mcrdl"), out, n, dies, in_shrink)
+    started = {name: _start(tmp_path, name, *job, "mcrdl") for name, job in JOBS.items()}
+    _check(started, 128 + 9)
+    done = finish(ddp, 90)
+    log = (done.stdout + done.stderr)[-6000:]
+    assert done.returncode == 128 + 9, log
+    assert "survivors [1, 2] of 3: the parameters match the reference" in done.stdout, log
+
+
+@pytest.mark.skipif(not have_openmpi(), reason=NO_OPENMPI)
+def test_under_open_mpi_with_ulfm_the_survivors_shrink_and_end_as_the_reference(tmp_path):
+    """Also (tests/ranks/launched.py): rank 0, whose process served the store, dies while
+    the others have nothing in flight; their next allreduce fails at once with
+    PeerLostError, they shrink, and a named operation, a split (its gloo groups made through
+    the survivors' store), the flight recorder and the trace work on the survivors."""
+    idle = tmp_path / "idle"
+    idle.mkdir()
+    idle_job = start_ranks(3, ["tests/ranks/launched.py", "die:0", str(idle)],
+                           launcher="openmpi", env={"MCRDL_TRACE": str(idle / "trace.json")})
+    started = {name: _start(tmp_path, name, n, dies, in_shrink, "openmpi",
+                            ["--backend", backend])
+               for name, (n, dies, in_shrink, backend) in ULFM_JOBS.items()}
+    _check(started, None)
+    done = finish(idle_job, 90)
+    log = (done.stdout + done.stderr)[-6000:]
+    died_idle.check(idle, 0, [1, 2], "world rank(s) [0] of communicator world are gone",
+                    "mpi", log)
+
+
+def _check(started, exit_status):
+    """Every survivor of each job ends with the reference's parameters, soon after the
+    loss; the job ends with ``exit_status`` (None: any)."""
     for name, (proc, out, n, dies, in_shrink) in started.items():
         done = finish(proc, 90)
         log = (done.stdout + done.stderr)[-6000:]
-        assert done.returncode == 128 + 9, f"{name}:\n{log}"
+        assert exit_status is None or done.returncode == exit_status, f"{name}:\n{log}"
         gone = {dies} | ({in_shrink[0]} if in_shrink else set())
         survivors = sorted(set(range(n)) - gone)
         ends = {r: json.loads((out / f"rank{r}.json").read_text())
@@ -52,7 +93,3 @@ def test_the_survivors_shrink_and_end_as_the_reference(tmp_path):
         for end in ends.values():
             assert end["first_step_after"] - killed < 15, f"{name}: {end}\n{log}"
         assert "the parameters match the reference" in done.stdout, f"{name}:\n{log}"
-    done = finish(ddp, 90)
-    log = (done.stdout + done.stderr)[-6000:]
-    assert done.returncode == 128 + 9, log
-    assert "survivors [1, 2] of 3: the parameters match the reference" in done.stdout, log

@@ -71,12 +71,17 @@ def deadline(timeout: float) -> float:
     return timeout * 1.5 + 2.0
 
 class _GlooGroup:
-    __slots__ = ("pg", "rank", "size")
+    """A process group, and the store its members met through, through which the groups
+    made from it meet too (after a shrink, a store of the survivors': the bootstrap's may
+    be gone with rank 0)."""
 
-    def __init__(self, pg: Any, rank: int, size: int) -> None:
+    __slots__ = ("pg", "rank", "size", "store")
+
+    def __init__(self, pg: Any, rank: int, size: int, store: Any) -> None:
         self.pg = pg
         self.rank = rank
         self.size = size
+        self.store = store
 
     def __repr__(self) -> str:
         return f"<gloo group rank={self.rank}/{self.size}>"
@@ -209,7 +214,6 @@ class GlooBackend(Backend):
         self._torch = torch
         self._dist = dist
         self._PG = ProcessGroupGloo
-        self._store = bootstrap.store()
         self._host = bootstrap.host
         self._timeout = datetime.timedelta(seconds=deadline(bootstrap.timeout))
         self._waiters = _Waiters()
@@ -224,16 +228,16 @@ class GlooBackend(Backend):
             opts = dist.AllreduceOptions()
             opts.reduceOp = r  # type: ignore[assignment]
             self._allreduce_opts[op] = opts
-        self._world = self._make(f"world/{bootstrap.size}", bootstrap.rank, bootstrap.size)
+        self._world = self._make(f"world/{bootstrap.size}", bootstrap.rank, bootstrap.size,
+                                 bootstrap.store())
 
-    def _make(self, tag: str, rank: int, size: int, store: Any = None) -> _GlooGroup:
+    def _make(self, tag: str, rank: int, size: int, store: Any) -> _GlooGroup:
         opts = self._PG._Options()  # type: ignore[attr-defined]
         opts._devices = [self._PG.create_device(hostname=self._host, lazy_init=False)]
         opts._threads = 2
         opts._timeout = self._timeout
-        store = self._dist.PrefixStore(f"mcrdl/{tag}",  # type: ignore[attr-defined]
-                                       store or self._store)
-        return _GlooGroup(self._PG(store, rank, size, opts), rank, size)
+        prefixed = self._dist.PrefixStore(f"mcrdl/{tag}", store)  # type: ignore[attr-defined]
+        return _GlooGroup(self._PG(prefixed, rank, size, opts), rank, size, store)
 
     # -- groups --------------------------------------------------------------------------
 
@@ -241,12 +245,12 @@ class GlooBackend(Backend):
         return self._world
 
     def create_group(self, parent: _GlooGroup, members: Sequence[int], tag: str) -> _GlooGroup:
-        return self._make(tag, list(members).index(parent.rank), len(members))
+        return self._make(tag, list(members).index(parent.rank), len(members), parent.store)
 
     def regroup(self, parent: _GlooGroup, members: Sequence[int], tag: str,
                 store: Any) -> _GlooGroup:
-        """The members meet through ``store`` alone: the processes of ``parent`` that are
-        gone take no part."""
+        """The members meet through ``store`` alone (and so will the groups made from this
+        one): the processes of ``parent`` that are gone take no part."""
         return self._make(tag, list(members).index(parent.rank), len(members), store)
 
     def free_group(self, group: _GlooGroup) -> None:
@@ -266,8 +270,7 @@ class GlooBackend(Backend):
 
     def close(self) -> None:
         self._waiters.close()
-        self._world.pg = None
-        self._store = None
+        self._world.pg = self._world.store = None
 
     # -- views ---------------------------------------------------------------------------
 

@@ -14,8 +14,9 @@ left out, and it is the same on every member, however late each learns of a deat
 
 So the answer is "every member that wrote", fixed once the last live member has written.
 This needs a store that outlives every rank: ``python -m mcrdl run`` hosts it in the
-launcher. Where it lives in a rank (mpiexec) and that rank dies, the wait fails with the
-store's error.
+launcher. Under mpiexec it lives in rank 0; where MPI is fault tolerant (Open MPI's ULFM),
+the survivors agree through MPI instead (`mcrdl.backends._ulfm.Agreement`, the same
+contract), and elsewhere the wait fails with the store's error once rank 0 is gone.
 
 It polls the store (a round trip every few milliseconds) while it waits: only after a loss,
 never in the steps of a job where nobody dies.
@@ -30,7 +31,7 @@ from typing import Any
 
 from ..core import MCRDLError
 
-__all__ = ["Meeting", "agree"]
+__all__ = ["Meeting"]
 
 #: Seconds between two reads of the store while members are missing.
 _POLL = 0.002
@@ -48,35 +49,47 @@ class Meeting:
     timeout: float
     pause: Callable[[float], None] = time.sleep
 
+    def agree(self, key: str, members: Sequence[int], value: str,
+              gone: Callable[[], Collection[int]]) -> dict[int, str]:
+        """Write ``value`` as this member at ``key``; return what each of ``members`` wrote
+        there (world ranks), once each has written or is gone: the same on every member.
 
-def agree(meeting: Meeting, key: str, members: Sequence[int], value: str,
-          gone: Callable[[], Collection[int]]) -> dict[int, str]:
-    """Write ``value`` as this member at ``key``; return what each of ``members`` wrote
-    there (world ranks), once each has written or is gone: the same on every member.
+        ``gone`` gives the ranks known gone so far (it may grow between calls, never
+        shrink).
 
-    ``gone`` gives the ranks known gone so far (it may grow between calls, never shrink).
+        Raises:
+            MCRDLError: some live member had not written after ``timeout`` seconds, naming
+                them (a member that never reached its ``shrink``, or died where no launcher
+                told).
+        """
+        def slot(m: int) -> str:
+            return f"{key}/{m}"
 
-    Raises:
-        MCRDLError: some live member had not written after ``timeout`` seconds, naming them
-            (a member that never reached its ``shrink``, or died where no launcher told).
-    """
-    def slot(m: int) -> str:
-        return f"{key}/{m}"
+        store, timeout = self.store, self.timeout
+        store.set(slot(self.rank), value)
+        deadline = time.monotonic() + timeout
+        while True:
+            lost = set(gone())  # (before the keys are read: see the module docstring)
+            live = [m for m in members if m not in lost]
+            if store.check([slot(m) for m in live]):
+                wrote = live + [m for m in members if m in lost and store.check([slot(m)])]
+                values = store.multi_get([slot(m) for m in wrote])
+                return {m: v.decode() for m, v in sorted(zip(wrote, values, strict=True))}
+            if time.monotonic() > deadline:
+                missing = [m for m in live if not store.check([slot(m)])]
+                raise MCRDLError(
+                    f"{key}: ranks {missing} neither answered within {timeout:g} s nor are "
+                    f"known gone: each live member must call shrink(); a process that died "
+                    f"is known gone only under a launcher that tells (python -m mcrdl run) "
+                    f"or a fault-tolerant MPI (Open MPI's mpiexec --with-ft ulfm)")
+            self.pause(_POLL)
 
-    store, timeout = meeting.store, meeting.timeout
-    store.set(slot(meeting.rank), value)
-    deadline = time.monotonic() + timeout
-    while True:
-        lost = set(gone())  # (before the keys are read: see the module docstring)
-        live = [m for m in members if m not in lost]
-        if store.check([slot(m) for m in live]):
-            wrote = live + [m for m in members if m in lost and store.check([slot(m)])]
-            values = store.multi_get([slot(m) for m in wrote])
-            return {m: v.decode() for m, v in sorted(zip(wrote, values, strict=True))}
-        if time.monotonic() > deadline:
-            missing = [m for m in live if not store.check([slot(m)])]
-            raise MCRDLError(
-                f"{key}: ranks {missing} neither answered within {timeout:g} s nor are known "
-                f"gone: each live member must call shrink(); a process that died is known "
-                f"gone only under a launcher that tells (python -m mcrdl run)")
-        meeting.pause(_POLL)
+    def store_for(self, key: str, live: Sequence[int],
+                  gone: Callable[[], Collection[int]]) -> Any:
+        """A connection of its own to the store, for one attempt's group creation (a
+        creation given up while it waits for a member that is gone holds its connection
+        until the backend's timeout: neither the agreement nor the next attempt may queue
+        behind it)."""
+        return self.store.clone()
+
+

@@ -251,6 +251,17 @@ class Bootstrap:
         for callback in list(self.on_peer_failure):
             callback("a peer process died (the MPI launcher signalled SIGUSR1)")
 
+    @property
+    def store_host(self) -> int | None:
+        """The world rank whose process serves the store (`store`): rank 0 under mpiexec,
+        and under torchrun or with a given store where no launcher's own store is behind
+        it; None where the launcher holds it (python -m mcrdl run, torchrun's agent)."""
+        if self.launcher == "single" or self._agent_store:
+            return None
+        if self.launcher == "torchrun":
+            return None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
+        return 0
+
     def store(self) -> Any:
         """A torch.distributed Store shared by all ranks, made on first use (collective)."""
         if self._store is None:
@@ -315,6 +326,21 @@ class Bootstrap:
                 " other on"
             )
         return store
+
+    def serve_store(self) -> tuple[Any, str]:
+        """A new store served by this rank, and its address for `connect_store`: where the
+        survivors of a loss meet when the bootstrap's store may be gone with rank 0
+        (`mcrdl.backends._ulfm.Agreement.store_for`)."""
+        store, port = self._serve(datetime.timedelta(seconds=self.timeout))
+        return store, f"{self.host} {port}"
+
+    def connect_store(self, address: str) -> Any:
+        """A connection to the store another rank serves at ``address`` (`serve_store`)."""
+        import torch.distributed as dist
+
+        host, port = address.rsplit(" ", 1)
+        return dist.TCPStore(host, int(port), self.size, False,  # type: ignore[attr-defined]
+                             datetime.timedelta(seconds=self.timeout))
 
     def _serve(self, timeout: datetime.timedelta) -> tuple[Any, int]:
         """Rank 0's TCPStore server on ``host`` (bound here: TCPStore alone listens on every

@@ -47,18 +47,31 @@ class Notices:
     is this object's ``tell`` meanwhile.
     """
 
-    def __init__(self, store: Any, rank: int, engine: Engine) -> None:
+    def __init__(self, store: Any, rank: int, engine: Engine, host: int | None = None) -> None:
         self._store = store
+        #: The world rank whose process serves the store (None: the launcher's, or a file).
+        self._host = host
         self._rank = rank
         self._engine = engine
         self._key = f"mcrdl/notices/{rank}"
         self._closed = False
+        self._thread = self._start(store)
+        engine.on_break = self.tell
+
+    def _start(self, store: Any) -> threading.Thread:
         reader = store.clone()
         reader.set_timeout(_FOREVER)
-        self._thread = threading.Thread(target=self._listen, args=(reader,),
-                                        name="mcrdl-notices", daemon=True)
-        self._thread.start()
-        engine.on_break = self.tell
+        thread = threading.Thread(target=self._listen, args=(reader,), name="mcrdl-notices",
+                                  daemon=True)
+        thread.start()
+        return thread
+
+    def move(self, store: Any, host: int) -> None:
+        """Go on through ``store``, served by world rank ``host``: the survivors' own, once
+        the store's process is gone (`Runtime.shrink_communicator`; the listener's
+        connection went with it)."""
+        self._store, self._host = store, host
+        self._thread = self._start(store)
 
     def tell(self, comm: CommState, cause: str, stops: Stops) -> None:
         """Tell ``comm``'s other members that this rank stopped issuing on it at ``stops``,
@@ -78,6 +91,8 @@ class Notices:
 
     def _push(self, peers: list[int], payload: str) -> None:
         for peer in peers:
+            if self._host_gone():  # (under ULFM each survivor learns of deaths itself)
+                return
             try:
                 self._store.queue_push(f"mcrdl/notices/{peer}", payload)
             except Exception as exc:  # noqa: BLE001 - a lost peer or store: its timeout remains
@@ -119,8 +134,15 @@ class Notices:
         self._closed = True
         if self._engine.on_break == self.tell:
             self._engine.on_break = None
+        if self._host_gone():  # (the listener's connection went with it)
+            return
         try:
             self._store.queue_push(self._key, _STOP)
         except Exception:  # noqa: BLE001 - the store is gone: so is the listener's connection
             return
         self._thread.join(timeout=5.0)
+
+    def _host_gone(self) -> bool:
+        """Whether the store's process is gone (rank 0's under mpiexec): nothing can be told
+        through it any more."""
+        return self._host is not None and self._host in self._engine.gone

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..core._errors import (
+    BackendError,
     CommAbortedError,
     CommBrokenError,
     CommTimeoutError,
@@ -409,8 +410,44 @@ class Breaks:
         Safe from any thread (it only appends to a deque)."""
         self._lost.append((world_rank, cause))
 
+    def _as_lost(self, fut: CommFuture, error: BackendError) -> BaseException:
+        """``fut``'s backend ``error``, as PeerLostError where a member of its communicator
+        is gone, the backends asked first (`Backend.lost`): the death is why it failed, and
+        the communicator breaks for it (here, and at the peers it tells)."""
+        self._learn_lost()
+        comm = fut.lane.comm
+        if not comm.lost:
+            return error
+        lost = PeerLostError(
+            f"{fut.kind}#{fut.seq} on lane {fut.lane.backend_name}:{fut.lane.comm_name}: "
+            f"world rank(s) {sorted(comm.lost)} of communicator {comm.name} are gone "
+            f"({error})")
+        lost.__cause__ = error
+        return lost
+
+    def learn_lost(self) -> None:
+        """Ask every backend which processes it has learned are gone (`Backend.lost`: a
+        fault-tolerant MPI's detection) and apply that with the rest of what arrived from
+        outside (`check_signals`). Without the lock."""
+        with self._lock:
+            self._learn_lost()
+            self._run_work()
+        self._after_lock()
+        self.check_signals()
+
+    def _learn_lost(self) -> None:
+        """`learn_lost`'s part under the lock: break the communicators of the processes
+        backends learned are gone."""
+        for track in self._track_list:
+            for rank, how in track.backend.lost().items():
+                if rank not in self.gone:
+                    self._lost.append((rank, how))
+        if self._lost:
+            self._apply_lost()
+
     def _apply_lost(self) -> None:
-        """Break the communicators of the members the launcher told are gone (lock held)."""
+        """Break the communicators of the members the launcher (or a backend) told are gone
+        (lock held)."""
         while self._lost:
             gone, cause = self._lost.popleft()
             self.gone.setdefault(gone, cause)

@@ -426,6 +426,8 @@ class Engine(Places, Edges, Breaks, Events, Idling):
             self._n_completed += 1
             fut._on_stream = None
         else:
+            if isinstance(error, BackendError) and lane.size > 1:
+                error = self._as_lost(fut, error)
             if state == PENDING:
                 self._n_dropped += 1
             if isinstance(error, FutureCancelledError):

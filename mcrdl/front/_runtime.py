@@ -134,10 +134,13 @@ class Runtime:
         #: a simulated world's own).
         self.notices = notices
         if notices is None and bootstrap is not None and bootstrap.size > 1:
-            self.notices = Notices(bootstrap.store(), bootstrap.rank, self.engine)
+            self.notices = Notices(bootstrap.store(), bootstrap.rank, self.engine,
+                                   bootstrap.store_host)
         self._comms: list[Communicator] = []
         self.shrinks: dict[str, int] = {}  #: times each communicator was shrunk
         self._meeting = meeting
+        #: The survivors' store, where a shrink replaced the bootstrap's (None: it did not).
+        self._store: Any = None
         #: The task check every communicator calls after a submission (None: off).
         self.task_check = TaskCheck() if config.check_tasks else None
         worlds = {name: b.world() for name, b in self._backends.items()}
@@ -161,7 +164,8 @@ class Runtime:
         if rec is None or comm.size == 1 or self.bootstrap is None:
             return [payload]
         live = [m for m in comm.members if m not in self.engine.gone]
-        got = rec.gather(self.bootstrap.store(), live, live.index(comm.members[comm.rank]),
+        store = self._store if self._store is not None else self.bootstrap.store()
+        got = rec.gather(store, live, live.index(comm.members[comm.rank]),
                          payload, min(self.config.timeout or 60.0, 60.0), everyone)
         if got is None:
             return None
@@ -240,7 +244,12 @@ class Runtime:
         backend = self._backends[bname]
         if store is None:
             return backend.create_group(parent, members, tag)
-        return backend.regroup(parent, members, tag, store)
+        if backend.capabilities.self_progressing:
+            # (Never under the lock: this creation may wait for a member that is gone, and
+            # the shrink's watcher takes the lock to learn of deaths.)
+            return backend.regroup(parent, members, tag, store)
+        with self.engine.lock:  # (MPI's calls are serialized by the engine's lock)
+            return backend.regroup(parent, members, tag, store)
 
     def _communicator(self, name: str, groups: dict[str, Any], named_groups: dict[str, Any],
                       debug_group: Any, members: tuple[int, ...]) -> Communicator:
@@ -301,13 +310,21 @@ class Runtime:
                   for bname in sorted(self._backends)}
         return (groups, *self._extra_groups(parents, list(members), name, store))
 
-    def meeting(self) -> Meeting:
-        """Where survivors agree (`Communicator.shrink`): the bootstrap's store, unless the
-        runtime was given a meeting point (a simulated world's).
+    def meeting(self, comm: Communicator) -> Any:
+        """Where the survivors of ``comm`` agree (`Communicator.shrink`): through a backend
+        that carries the agreement itself (`Backend.agreement`: MPI where it is fault
+        tolerant; under mpiexec the store lives in rank 0, which may be the one gone), else
+        the bootstrap's store, or the meeting point the runtime was given (a simulated
+        world's).
 
         Raises:
-            BackendUnavailableError: there is neither (a runtime made without a launcher).
+            BackendUnavailableError: there is none (a runtime made without a launcher).
         """
+        for bname in sorted(self._backends):
+            agreement = self._backends[bname].agreement(comm._slots[bname].group,
+                                                        self.engine.lock)
+            if agreement is not None:
+                return agreement
         if self._meeting is None:
             if self.bootstrap is None:
                 raise BackendUnavailableError(
@@ -319,7 +336,14 @@ class Runtime:
 
     def shrink_communicator(self, comm: Communicator) -> Communicator:
         """See `Communicator.shrink`."""
-        name, groups, members = shrink(self, comm)
+        name, groups, members, store = shrink(self, comm)
+        bootstrap = self.bootstrap
+        if bootstrap is not None and bootstrap.store_host in self.engine.gone:
+            # The bootstrap's store went with its rank (mpiexec): the survivors' goes on in
+            # its place, served by their first member (`mcrdl.backends._ulfm`).
+            self._store = store
+            if self.notices is not None:
+                self.notices.move(store, members[0])
         return self._communicator(name, *groups, members)
 
     def close_communicator(self, comm: Communicator) -> None:

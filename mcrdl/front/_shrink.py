@@ -1,7 +1,9 @@
 """``Communicator.shrink``: the survivors of a loss agree on who is alive and make a new
 communicator of them (docs/design.md, rule 9).
 
-Two rounds of the survivors' agreement (`mcrdl.bootstrap._agree`) per attempt:
+Two rounds of the survivors' agreement per attempt, through the bootstrap's store
+(`mcrdl.bootstrap._agree`) or, where MPI is fault tolerant, through MPI
+(`mcrdl.backends._ulfm`; `Runtime.meeting` picks):
 
 1. **Who is in.** Every live member says so; the answer is the same set on every one of
    them.
@@ -24,7 +26,6 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..bootstrap._agree import agree
 from ..core._errors import BackendUnavailableError, MCRDLError
 
 if TYPE_CHECKING:
@@ -44,9 +45,11 @@ _RETRIES = 2
 Groups = tuple[dict[str, Any], dict[str, Any], Any]
 
 
-def shrink(runtime: Runtime, comm: Communicator) -> tuple[str, Groups, tuple[int, ...]]:
+def shrink(runtime: Runtime,
+           comm: Communicator) -> tuple[str, Groups, tuple[int, ...], Any]:
     """The name, groups and members (world ranks, in rank order) of the communicator of
-    ``comm``'s live members, agreed by all of them (see the module docstring).
+    ``comm``'s live members, agreed by all of them (see the module docstring), and the store
+    its groups were made through.
 
     Raises:
         BackendUnavailableError: a backend of ``comm`` cannot make a group once members are
@@ -61,13 +64,14 @@ def shrink(runtime: Runtime, comm: Communicator) -> tuple[str, Groups, tuple[int
         raise BackendUnavailableError(
             f"cannot shrink {comm.name}: backend(s) {', '.join(cannot)} cannot make a group "
             f"once members are gone (MPICH's launcher fails; its fault-tolerant mode does not "
-            f"start); bring up only backends that can (init(backends='gloo')), under a "
-            f"launcher that lets the survivors live (python -m mcrdl run)")
-    meeting = runtime.meeting()
+            f"start; Open MPI's can, started by mpiexec --with-ft ulfm); bring up only "
+            f"backends that can (init(backends='gloo')), under a launcher that lets the "
+            f"survivors live (python -m mcrdl run)")
+    meeting = runtime.meeting(comm)
     engine = runtime.engine
 
     def gone() -> set[int]:
-        engine.check_signals()  # (applies the notices that arrived)
+        engine.learn_lost()  # (applies the notices that arrived, and what backends learned)
         return set(engine.gone)
 
     runtime.shrinks[comm.name] = n = runtime.shrinks.get(comm.name, 0) + 1
@@ -75,15 +79,20 @@ def shrink(runtime: Runtime, comm: Communicator) -> tuple[str, Groups, tuple[int
     attempt = 0
     while True:
         key = f"mcrdl/shrink/{comm.name}/{n}/{attempt}"
-        live = list(agree(meeting, f"{key}/in", members, "in", gone))
+        live = list(meeting.agree(f"{key}/in", members, "in", gone))
         name = f"{comm.name}.s{n}" + (f"r{attempt}" if attempt else "")
-        made, error = _make(runtime, comm, [comm.members.index(m) for m in live], name,
-                            live, gone, meeting.store)
+        try:
+            store = meeting.store_for(key, live, gone)
+        except MCRDLError:  # (its host is gone)
+            made, error = None, _GONE
+        else:
+            made, error = _make(runtime, comm, [comm.members.index(m) for m in live], name,
+                                live, gone, store)
         if made is None and gone() & set(live):
             error = _GONE  # (what failed it, whether or not its watcher saw it first)
-        said = agree(meeting, f"{key}/made", live, "ok" if made is not None else error, gone)
+        said = meeting.agree(f"{key}/made", live, "ok" if made is not None else error, gone)
         if made is not None and len(said) == len(live) and all(v == "ok" for v in said.values()):
-            return name, made, tuple(live)
+            return name, made, tuple(live), store
         if made is not None:
             _abandon(runtime, made)
         died = len(said) < len(live) or _GONE in said.values()
@@ -98,18 +107,14 @@ def shrink(runtime: Runtime, comm: Communicator) -> tuple[str, Groups, tuple[int
 def _make(runtime: Runtime, comm: Communicator, indices: list[int], name: str,
           live: list[int], gone: Callable[[], set[int]],
           store: Any) -> tuple[Groups | None, str]:
-    """``name``'s groups among ``indices`` (ranks of ``comm``; world ranks ``live``), or
-    None and why: it failed, or a member of ``live`` is gone before it finished.
-
-    The members meet through a connection of their own to ``store``: a creation given up
-    while it waits for a member that is gone holds its connection until the backend's
-    timeout, and neither the agreement nor the next attempt may queue behind it."""
+    """``name``'s groups among ``indices`` (ranks of ``comm``; world ranks ``live``), made
+    through ``store`` (the attempt's own: `Meeting.store_for`), or None and why: it failed,
+    or a member of ``live`` is gone before it finished."""
     result: list[Any] = []
-    meet = store.clone()
 
     def build() -> None:
         try:
-            result.append(runtime.make_groups(comm, indices, name, meet))
+            result.append(runtime.make_groups(comm, indices, name, store))
         except Exception as exc:  # noqa: BLE001 - reported to every member by the agreement
             result.append(exc)
 

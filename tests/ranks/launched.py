@@ -1,16 +1,16 @@
 """Run by ``python -m mcrdl run`` (tests/test_cli.py).
 
-    python -m mcrdl run -n 3 tests/ranks/launched.py ok|die OUT_DIR
+    python -m mcrdl run -n 3 tests/ranks/launched.py ok|die[:VICTIM] OUT_DIR
 
 ``ok``: mcrdl up from the launcher's store, an allreduce, then torch.distributed's default
-group over "mcrdl" from ``env://`` and an all_reduce through it. ``die``: ranks 0 and 2 make
-a communicator of their own, then rank 1 kills itself (SIGKILL) while the others wait with
-nothing in flight; then each tries an allreduce on the world, reports what it raised and how
-long that took, allreduces on their own communicator, then shrinks the world to the two of
-them and runs an allreduce, a named one and a split there, dumps its flight recorder
-(``OUT_DIR/fr-<R>.json``), and ends normally (writing a trace when ``MCRDL_TRACE`` says
-where). Each rank that ends
-writes ``OUT_DIR/rank<R>.txt``.
+group over "mcrdl" from ``env://`` and an all_reduce through it. ``die``: the two ranks
+other than VICTIM (default 1) make a communicator of their own, then VICTIM kills itself
+(SIGKILL) while the others wait with nothing in flight; then each tries an allreduce on the
+world, reports what it raised and how long that took, allreduces on their own communicator,
+then shrinks the world to the two of them and runs an allreduce, a named one and a split
+there, dumps its flight recorder (``OUT_DIR/fr-<R>.json``), and ends normally (writing a
+trace when ``MCRDL_TRACE`` says where). Each rank that ends writes ``OUT_DIR/rank<R>.txt``.
+Also run by Open MPI's ``mpiexec --with-ft ulfm`` (tests/test_survivors.py).
 """
 
 import os
@@ -35,10 +35,12 @@ if mode == "ok":
               f"torch={t.tolist()}")
     dist.destroy_process_group()
 else:
-    pair = comm.split(0 if rank != 1 else 1)  # ranks 0 and 2 (rank 1 alone)
-    if rank == 1:
+    victim = int(mode.partition(":")[2] or 1)
+    pair = comm.split(0 if rank != victim else 1)  # the two others (the victim alone)
+    comm.barrier().wait()  # (the pair is made: under mpiexec, rank 0 serves the store)
+    if rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(1.0)  # nothing in flight while rank 1 dies
+    time.sleep(1.0)  # nothing in flight while the victim dies
     t0 = time.monotonic()
     try:
         comm.allreduce(torch.ones(2)).wait()
@@ -47,7 +49,7 @@ else:
         outcome = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     took = time.monotonic() - t0
     together = pair.allreduce(torch.ones(2)).wait().tolist()
-    report = f"after={took:.2f} pair={together} lived after rank 1 died: {outcome}"
+    report = f"after={took:.2f} pair={together} lived after rank {victim} died: {outcome}"
     # The survivors' world: its own operations, named ones, and a communicator split from it.
     world = comm.shrink()
     total = world.allreduce(torch.full((2,), float(rank))).wait().tolist()

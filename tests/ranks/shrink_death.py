@@ -1,13 +1,15 @@
-"""Run by ``python -m mcrdl run`` (tests/test_survivors.py): examples/elastic.py, with one
-more rank killed inside its first shrink.
+"""Run by ``python -m mcrdl run`` or Open MPI's ``mpiexec --with-ft ulfm``
+(tests/test_survivors.py): examples/elastic.py, with one more rank killed inside its first
+shrink.
 
     python -m mcrdl run -n 4 tests/ranks/shrink_death.py VICTIM POINT [example args...]
 
-Rank ``VICTIM`` dies (SIGKILL) right after it has written its answer to a round of the
-survivors' agreement (`mcrdl.bootstrap._agree`): POINT ``in`` (it said it is alive: the
-others' group creation cannot finish, and their next attempt goes on without it) or
-``made`` (it said it made its groups: the new communicator has it, is broken at once, and a
-second shrink goes on without it).
+Rank ``VICTIM`` dies (SIGKILL) right after it has given its answer to a round of the
+survivors' agreement (the store's, `mcrdl.bootstrap._agree.Meeting`, or MPI's,
+`mcrdl.backends._ulfm.Agreement`): POINT ``in`` (it said it is alive: the others' group
+creation cannot finish, and their next attempt goes on without it) or ``made`` (it said it
+made its groups: the new communicator has it, is broken at once, and a second shrink goes on
+without it).
 """
 
 import os
@@ -15,18 +17,27 @@ import runpy
 import signal
 import sys
 
-import mcrdl.front._shrink as shrink
+from mcrdl.backends._ulfm import Agreement
+from mcrdl.bootstrap._agree import Meeting
 
 victim, point, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
-if int(os.environ["RANK"]) == victim:
-    agree = shrink.agree
+rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1")))
 
+
+def answering_then_dying(agree):
     def answer_then_die(meeting, key, members, value, gone):
         if key.endswith(f"/{point}"):
-            meeting.store.set(f"{key}/{meeting.rank}", value)  # (its own key in the round)
+            if isinstance(meeting, Meeting):
+                meeting.store.set(f"{key}/{meeting.rank}", value)  # (its own key in the round)
+            else:
+                agree(meeting, key, members, value, gone)  # (every live member has its answer)
             os.kill(os.getpid(), signal.SIGKILL)
         return agree(meeting, key, members, value, gone)
+    return answer_then_die
 
-    shrink.agree = answer_then_die
+
+if rank == victim:
+    Meeting.agree = answering_then_dying(Meeting.agree)
+    Agreement.agree = answering_then_dying(Agreement.agree)
 sys.argv = ["examples/elastic.py", *args]
 runpy.run_path("examples/elastic.py", run_name="__main__")

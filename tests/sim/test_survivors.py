@@ -11,9 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import mcrdl.front._shrink as shrink_module
 from mcrdl import MCRDLError, PeerLostError
-from mcrdl.bootstrap import _agree
+from mcrdl.bootstrap._agree import Meeting
 from mcrdl.testing import SimDeadlock, SimMismatch, SimWorld
 
 STEPS = 5
@@ -67,7 +66,7 @@ def _elastic(world: SimWorld, dies: tuple[int, int], also: tuple[int, str] | Non
 def dying_in_the_agreement(monkeypatch):
     """``arm(world, rank, round)``: that rank dies right after answering that round."""
     def arm(world: SimWorld, victim: int, point: str) -> None:
-        agree = shrink_module.agree  # (as it is now: a test may have replaced it)
+        agree = Meeting.agree  # (as it is now: a test may have replaced it)
 
         def answer_then_die(meeting, key, members, value, gone):
             if meeting.rank == victim and key.endswith(f"/{point}"):
@@ -75,7 +74,7 @@ def dying_in_the_agreement(monkeypatch):
                 world.kill()
             return agree(meeting, key, members, value, gone)
 
-        monkeypatch.setattr(shrink_module, "agree", answer_then_die)
+        monkeypatch.setattr(Meeting, "agree", answer_then_die)
     return arm
 
 
@@ -114,8 +113,7 @@ def test_going_on_without_the_agreement_is_caught(monkeypatch, dying_in_the_agre
         lost = set(gone())
         return {m: value for m in members if m not in lost}
 
-    monkeypatch.setattr(_agree, "agree", without_waiting)
-    monkeypatch.setattr(shrink_module, "agree", without_waiting)
+    monkeypatch.setattr(Meeting, "agree", without_waiting)
     caught = []
     for case in ("0 of 4, then 2 before its shrink", "3 of 4, then 1 having said it is in"):
         size, dies, also = CASES[case]
