@@ -30,7 +30,7 @@ __all__ = ["Agreement", "Watch", "enabled", "ranks_in"]
 #: Tests of the watching receive per look: Open MPI handles a failure's notice over several
 #: progress calls, so that one test per look learned of a death only 3 to 8 looks after it
 #: (0.75 to 2 s at the engine's 0.25 s checks), eight in a row at the first look after it
-#: (docs/performance-log.md, "Learning of a death under ULFM").
+#: (docs/performance-log.md, "Survivors under Open MPI's ULFM").
 _TESTS = 8
 #: How the watch describes a process whose failure MPI reported.
 FAILED = "its process failed (MPI's fault tolerance reported it)"
