@@ -4,6 +4,8 @@ shrink their communicator and train on; under every interleaving they end with t
 reference computes over the survivors, and nothing hangs. Another rank may die on its way:
 before it calls ``shrink``, or right after it answered a round of the agreement. Going on
 without the agreement's wait (each survivor with the members it believes alive) is caught.
+A member whose group creation failed (nobody dying) makes every survivor make the groups
+again, through the round that asks who made them; going on without that round is caught.
 """
 
 from __future__ import annotations
@@ -155,3 +157,69 @@ def test_a_member_that_cannot_make_its_groups_fails_the_shrink_everywhere(monkey
         return True
 
     assert world.run(program) == [True, None, True]
+
+
+def _refusing_once(monkeypatch, victim: int) -> list[int]:
+    """Rank ``victim``'s first group creation of a shrink fails (nobody died meanwhile), on
+    whichever backend comes first; once per run: clear the list returned before each."""
+    from mcrdl.backends.sim import SimBackend
+
+    regroup = SimBackend.regroup
+    refused: list[int] = []
+
+    def refuse_once(self, parent, members, tag, store):
+        if self.world_rank == victim and not refused:
+            refused.append(victim)
+            raise RuntimeError("no room for a group, this once")
+        return regroup(self, parent, members, tag, store)
+
+    monkeypatch.setattr(SimBackend, "regroup", refuse_once)
+    return refused
+
+
+def _shrink_then_allreduce(world: SimWorld):
+    def program(comm):
+        if comm.rank == 1:
+            world.kill()
+        with pytest.raises(PeerLostError):
+            comm.allreduce(np.ones(2)).wait()
+        comm = comm.shrink()
+        total = comm.allreduce(np.full(2, float(comm.members[comm.rank]))).wait()
+        return comm.name, list(comm.members), total.tolist()
+    return program
+
+
+def test_a_group_one_member_could_not_make_is_made_again_by_every_member(monkeypatch):
+    """Nobody died during the shrink, but rank 2's first group creation failed: the round
+    that asks who made its groups tells every survivor, and all of them make them again
+    (the attempt's retry), ending with one communicator. Going on without that round (each
+    survivor with its own outcome) leaves rank 0 on a communicator rank 2 never made:
+    caught, as a deadlock, a mismatch or a wrong sum."""
+    refused = _refusing_once(monkeypatch, 2)
+    for seed in SEEDS:
+        refused.clear()
+        world = SimWorld(3, seed=seed)
+        ends = world.run(_shrink_then_allreduce(world))
+        assert ends[1] is None
+        assert ends[0] == ends[2] == ("world.s1r1", [0, 2], [2.0, 2.0]), (seed, ends)
+
+    def each_with_its_own(meeting, key, members, value, gone):
+        if key.endswith("/made"):
+            return {m: value for m in members if m not in set(gone())}
+        return agree(meeting, key, members, value, gone)
+
+    agree = Meeting.agree
+    monkeypatch.setattr(Meeting, "agree", each_with_its_own)
+    caught = []
+    for seed in SEEDS:
+        refused.clear()
+        world = SimWorld(3, seed=seed)
+        try:
+            ends = world.run(_shrink_then_allreduce(world))
+        except (SimDeadlock, SimMismatch, AssertionError, MCRDLError) as exc:
+            caught.append((seed, type(exc).__name__))
+            continue
+        if ends[0] != ends[2]:
+            caught.append((seed, f"{ends[0]} != {ends[2]}"))
+    print(f"caught in {len(caught)} of {len(SEEDS)} runs: {caught}")
+    assert len(caught) == len(SEEDS), caught
