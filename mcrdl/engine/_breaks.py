@@ -420,8 +420,7 @@ class Breaks:
             return error
         lost = PeerLostError(
             f"{fut.kind}#{fut.seq} on lane {fut.lane.backend_name}:{fut.lane.comm_name}: "
-            f"world rank(s) {sorted(comm.lost)} of communicator {comm.name} are gone "
-            f"({error})")
+            f"communicator {comm.name} is broken ({comm.broken}); its backend said: {error}")
         lost.__cause__ = error
         return lost
 

@@ -164,8 +164,7 @@ class Runtime:
         if rec is None or comm.size == 1 or self.bootstrap is None:
             return [payload]
         live = [m for m in comm.members if m not in self.engine.gone]
-        store = self._store if self._store is not None else self.bootstrap.store()
-        got = rec.gather(store, live, live.index(comm.members[comm.rank]),
+        got = rec.gather(self.store(), live, live.index(comm.members[comm.rank]),
                          payload, min(self.config.timeout or 60.0, 60.0), everyone)
         if got is None:
             return None
@@ -309,6 +308,19 @@ class Runtime:
         groups = {bname: self._group(bname, parents[bname], members, name, store)
                   for bname in sorted(self._backends)}
         return (groups, *self._extra_groups(parents, list(members), name, store))
+
+    def store(self) -> Any:
+        """The store every live rank reaches: the bootstrap's, or the survivors' once a
+        shrink replaced it (under mpiexec, rank 0's process served the bootstrap's).
+
+        Raises:
+            BackendUnavailableError: this runtime has no launched job's store.
+        """
+        if self._store is not None:
+            return self._store
+        if self.bootstrap is None:
+            raise BackendUnavailableError("this runtime has no launched job's store")
+        return self.bootstrap.store()
 
     def meeting(self, comm: Communicator) -> Any:
         """Where the survivors of ``comm`` agree (`Communicator.shrink`): through a backend

@@ -118,8 +118,7 @@ def shrink() -> Communicator:
     runtime = survivors.runtime
     dist.destroy_process_group()
     _default = survivors
-    store = _c10d.PrefixStore(f"mcrdl.torch/{survivors.name}",
-                              runtime.bootstrap.store())  # type: ignore[union-attr]
+    store = _c10d.PrefixStore(f"mcrdl.torch/{survivors.name}", runtime.store())
     dist.init_process_group(BACKEND_NAME, store=store, rank=survivors.rank,
                             world_size=survivors.size)
     return survivors
