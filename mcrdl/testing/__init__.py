@@ -4,10 +4,11 @@
   DAG) over simulated backends with MPI-like, NCCL-like or blocking matching semantics,
   scheduled deterministically from a seed.
 - `programs()`: a hypothesis strategy of well-formed multi-rank programs, optionally with
-  `Fault`s (one rank's operation cancelled, failing, or depending on one that fails);
-  `check_program` runs one in a simulated world and compares every rank's buffers with the
-  sequential `reference`; `run_program` runs one on real communicators, and `check_slots`
-  judges a rank's result there.
+  `Fault`s (one rank's operation cancelled, failing, or depending on one that fails, or the
+  rank dying: `DEATH`); `check_program` runs one in a simulated world and compares every
+  rank's buffers with the sequential `reference` (after a death, the survivors also shrink
+  the world and reduce over it); `run_program` runs one on real communicators, and
+  `check_slots` judges a rank's result there.
 - `check_step`: a program's own step (a function, or an ``async def`` with its tasks), run
   as it is on simulated ranks of several sizes, under many seeds and backend semantics;
   `StepFailed` names the first run that deadlocked, mismatched or raised.
@@ -31,12 +32,12 @@ from typing import Any
 from ._check import SEMANTICS, StepFailed, check_step
 from ._device import SimArray, SimDevice
 from ._generate import programs
-from ._programs import DONE, FAULTS, KINDS, Fault, Program, Region, Step, run_program
+from ._programs import DEATH, DONE, FAULTS, KINDS, Fault, Program, Region, Step, run_program
 from ._record import Recording, record, replay, replay_ranks
 from ._reference import reference, reference_with_faults
 from ._world import SimAborted, SimDeadlock, SimMismatch, SimWorld
 
-__all__ = ["FAULTS", "FAULT_ERRORS", "KINDS", "SEMANTICS", "Fault", "Program", "Recording",
+__all__ = ["DEATH", "FAULTS", "FAULT_ERRORS", "KINDS", "SEMANTICS", "Fault", "Program", "Recording",
            "Region", "SimAborted", "SimArray", "SimDeadlock", "SimDevice", "SimMismatch",
            "SimWorld", "Step", "StepFailed", "check_outcomes", "check_program", "check_slots",
            "check_step", "programs", "record", "reference", "reference_with_faults", "replay",
@@ -44,10 +45,11 @@ __all__ = ["FAULTS", "FAULT_ERRORS", "KINDS", "SEMANTICS", "Fault", "Program", "
            "run_program"]
 
 #: How a step may end under injected faults: the fault itself (cancelled, its start or its
-#: backend failing, a dependency failing) or its consequence (the communicator broken).
-#: Never a timeout: every member must learn of a break from the breaking rank.
+#: backend failing, a dependency failing) or its consequence (the communicator broken, by a
+#: member's death too). Never a timeout: every member must learn of a break from the
+#: breaking rank, and of a death from the launcher.
 FAULT_ERRORS = frozenset({"FutureCancelledError", "DependencyFailedError", "BackendError",
-                          "StartError", "CommBrokenError"})
+                          "StartError", "CommBrokenError", "PeerLostError"})
 #: The per-operation timeout of simulated runs with faults (simulated seconds): a hang
 #: becomes a CommTimeoutError, so that what completed can still be judged.
 FAULT_TIMEOUT = 5.0
@@ -105,6 +107,8 @@ def check_program(program: Program, *, seed: int = 0, backends: dict[str, str] |
         AssertionError: a rank's result differs from the sequential reference, or a step
             ended with an error its faults do not explain.
     """
+    import numpy as np
+
     sems = backends or {name: "mpi" for name in program.backends}
     if program.faults:
         world_args.setdefault("timeout", FAULT_TIMEOUT)
@@ -113,11 +117,28 @@ def check_program(program: Program, *, seed: int = 0, backends: dict[str, str] |
     world = SimWorld(program.size, sems, seed=seed, **world_args)
     outcomes: list[dict[int, str]] | None = (
         [{} for _ in range(program.size)] if program.faults else None)
-    got = world.run(lambda comm: run_program(
-        program, comm, pause=world.sleep,
-        outcomes=None if outcomes is None else outcomes[comm.rank], inject=world.inject))
-    for rank in range(program.size):  # wrong data first: it says more than a timeout
-        check_slots(program, rank, got[rank], outcomes)
-    for rank in range(program.size if outcomes is not None else 0):
+    dead = {f.rank for f in program.faults if f.kind == DEATH}
+
+    def rank_program(comm: Any) -> tuple[list[Any], Any]:
+        slots = run_program(program, comm, pause=world.sleep,
+                            outcomes=None if outcomes is None else outcomes[comm.rank],
+                            inject=world.inject, kill=world.kill)
+        if not dead:
+            return slots, None
+        # The survivors go on: they agree on who is alive, and reduce over themselves.
+        survivors = comm.shrink()
+        total = survivors.allreduce(np.array([float(comm.rank)])).wait()
+        return slots, (list(survivors.members), total.tolist())
+
+    got = world.run(rank_program)
+    live = [r for r in range(program.size) if r not in dead]
+    for rank in live:  # wrong data first: it says more than a timeout
+        check_slots(program, rank, got[rank][0], outcomes)
+    for rank in live if outcomes is not None else ():
         check_outcomes(program, rank, outcomes)  # type: ignore[arg-type]
+    for rank in live if dead else ():
+        if got[rank][1] != (live, [float(sum(live))]):
+            raise AssertionError(f"rank {rank}: after the death of {sorted(dead)}, the "
+                                 f"survivors' world and sum are {got[rank][1]}, not "
+                                 f"{(live, [float(sum(live))])}")
     return world

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..core._types import ReduceOp
-from ._programs import FAULTS, KINDS, Fault, Program, Region, Step
+from ._programs import DEATH, FAULTS, KINDS, Fault, Program, Region, Step
 
 __all__ = ["programs"]
 
@@ -148,7 +148,9 @@ def programs(
         for _ in range(count):
             at = draw(st.integers(0, len(steps) - 1))
             who = [r for r in range(size) if prog.takes_part(steps[at], r)]
-            drawn.append(Fault(at, draw(st.sampled_from(who)), draw(st.sampled_from(faults))))
+            fault = Fault(at, draw(st.sampled_from(who)), draw(st.sampled_from(faults)))
+            if fault.kind != DEATH or all(f.kind != DEATH for f in drawn):  # (one death)
+                drawn.append(fault)
         return Program(size, tuple(splits), slots, tuple(steps), tuple(delays), tuple(mids),
                        tuple(waits), tuple(backends), tuple(drawn), tuple(blocks),
                        tuple(orders), device)

@@ -6,7 +6,8 @@ every communicator's members submit the same collectives in the same order and e
 has its receive: the programs are well formed by construction. On top of that a program
 fixes per-rank delays, extra ``after=`` edges, the order in which each rank waits on its
 futures (some right after submitting, the rest at the end, in a per-rank order), and
-`Fault`s: one rank's operation cancelled, failing, or depending on one that fails.
+`Fault`s: one rank's operation cancelled, failing, or depending on one that fails, or the
+rank's process dying before it submits a step (`DEATH`).
 
 Some runs of consecutive collectives are *concurrent blocks*: named collectives (``name=``,
 rule 8 of docs/design.md) that touch disjoint bytes and do not depend on one another, as several
@@ -37,7 +38,7 @@ import numpy as np
 from ..core._errors import InvalidStateError
 from ..core._types import ReduceOp
 
-__all__ = ["FAULTS", "KINDS", "Fault", "Program", "Region", "Step", "initial_slots",
+__all__ = ["DEATH", "FAULTS", "KINDS", "Fault", "Program", "Region", "Step", "initial_slots",
            "run_program"]
 
 #: Step kinds: the communicator's operations, with send/recv as one "sendrecv" step (and, in
@@ -46,6 +47,9 @@ KINDS = ("allreduce", "broadcast", "reduce", "allgather", "gather", "scatter",
          "reduce_scatter", "alltoall", "alltoallv", "sendrecv", "barrier")
 #: Fault kinds (see `Fault`); the last two need a simulated world to inject them.
 FAULTS = ("cancel", "dependency", "start", "error")
+#: The fault of a rank whose process dies before it submits the step (a simulated world's
+#: `SimWorld.kill`); its survivors go on (docs/design.md, rule 9).
+DEATH = "death"
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,8 @@ class Fault:
     ``kind``: ``"cancel"`` (the rank cancels the step's operation before it is issued),
     ``"dependency"`` (it depends on an operation of the rank's own that is cancelled),
     ``"start"`` (its start fails on that rank), ``"error"`` (its backend reports a failure on
-    that rank once it has run). The last two are injected by a simulated world.
+    that rank once it has run), ``"death"`` (the rank's process dies before it submits the
+    step). The last three are injected by a simulated world.
     """
 
     step: int
@@ -158,14 +163,16 @@ DONE = "done"
 
 def run_program(program: Program, comm: Any, *, pause: Callable[[int], None] | None = None,
                 outcomes: dict[int, str] | None = None,
-                inject: Callable[[str, list[Any]], None] | None = None) -> list[np.ndarray]:
+                inject: Callable[[str, list[Any]], None] | None = None,
+                kill: Callable[[], None] | None = None) -> list[np.ndarray]:
     """Run ``program`` as rank ``comm.rank`` of ``comm`` (a world); return its final slots.
 
     ``pause(n)`` implements the per-rank delays (the simulated world's ``sleep``; a real run
     sleeps ``n`` x 100 µs). With ``outcomes``, a step's failure is recorded there (step
     index -> ``"done"`` or the exception's class name) instead of raised. ``inject(kind,
     objects)`` makes the operation on those buffers fail in its backend (``"start"`` or
-    ``"error"`` faults); without it such faults are skipped.
+    ``"error"`` faults), and ``kill()`` ends this rank's process (``"death"``: it does not
+    return); without them such faults are skipped.
     """
     rank = comm.rank
     pause = pause or (lambda n: time.sleep(n * 1e-4))
@@ -195,6 +202,10 @@ def run_program(program: Program, comm: Any, *, pause: Callable[[int], None] | N
     for i in [j for k in range(len(program.steps)) if k not in later
               for j in orders.get(k, (k,)) if j in mine]:
         step = program.steps[i]
+        if faults.get(i) == DEATH and kill is not None:
+            if outcomes is not None:  # (what finished before the death, as it ended)
+                _record(futs, outcomes, finished_only=True)
+            kill()
         if delays and delays[i]:
             pause(delays[i])
         if step.kind == "kernel":
@@ -213,15 +224,23 @@ def run_program(program: Program, comm: Any, *, pause: Callable[[int], None] | N
         device.synchronize()  # the kernels queued last
         slots = [np.array(s) for s in slots]
     if outcomes is not None:
-        for i, fut in futs.items():
-            error = fut.exception()
-            outcomes[i] = DONE if error is None else type(error).__name__
+        _record(futs, outcomes)
     for sub in comms.values():
         if sub is not comm:
             sub.close()
     if solo is not None:
         solo.close()
     return slots
+
+
+def _record(futs: dict[int, Any], outcomes: dict[int, str], finished_only: bool = False) -> None:
+    """How each of ``futs`` ended (``"done"`` or its error's class name), into ``outcomes``;
+    ``finished_only``: those that have."""
+    for i, fut in futs.items():
+        if finished_only and not fut.done():
+            continue
+        error = fut.exception()
+        outcomes[i] = DONE if error is None else type(error).__name__
 
 
 def _kernel(program: Program, step: Step, device: Any, slots: list[np.ndarray],
@@ -278,7 +297,7 @@ def _faulty(kind: str | None, program: Program, step: Step, comm: Any,
             name: str | None = None) -> Any:
     """Submit ``step`` (named ``name``, if given), making it fail on this rank as the fault
     ``kind`` says."""
-    if kind is None:
+    if kind is None or kind == DEATH:  # (a death that was not injected: the step runs)
         return _submit(program, step, comm, slots, after, name=name)
     if kind in ("start", "error"):
         mark = (lambda objs: inject(kind, objs)) if inject is not None else None

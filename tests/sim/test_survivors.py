@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mcrdl import MCRDLError, PeerLostError
 from mcrdl.bootstrap._agree import Meeting
-from mcrdl.testing import SimDeadlock, SimMismatch, SimWorld
+from mcrdl.testing import (DEATH, SimDeadlock, SimMismatch, SimWorld, check_program,
+                           programs)
+
+from . import examples
 
 STEPS = 5
 SEEDS = range(10)
@@ -105,17 +110,19 @@ def test_the_survivors_shrink_and_end_as_the_reference(case, seed, dying_in_the_
         assert w.tolist() == expected.tolist(), (rank, w, expected)
 
 
+def _without_waiting(meeting, key, members, value, gone):
+    """The broken policy: each survivor takes the members it believes alive."""
+    meeting.store.set(f"{key}/{meeting.rank}", value)
+    lost = set(gone())
+    return {m: value for m in members if m not in lost}
+
+
 def test_going_on_without_the_agreement_is_caught(monkeypatch, dying_in_the_agreement):
     """Each survivor takes the members it believes alive when it reaches the round, without
     waiting for the others: where another rank dies during the recovery, survivors that
     learn of it at different times make different communicators, and some interleaving
     then hangs, fails or gives a wrong sum."""
-    def without_waiting(meeting, key, members, value, gone):
-        meeting.store.set(f"{key}/{meeting.rank}", value)
-        lost = set(gone())
-        return {m: value for m in members if m not in lost}
-
-    monkeypatch.setattr(Meeting, "agree", without_waiting)
+    monkeypatch.setattr(Meeting, "agree", _without_waiting)
     caught = []
     for case in ("0 of 4, then 2 before its shrink", "3 of 4, then 1 having said it is in"):
         size, dies, also = CASES[case]
@@ -223,3 +230,53 @@ def test_a_group_one_member_could_not_make_is_made_again_by_every_member(monkeyp
             caught.append((seed, f"{ends[0]} != {ends[2]}"))
     print(f"caught in {len(caught)} of {len(SEEDS)} runs: {caught}")
     assert len(caught) == len(SEEDS), caught
+
+
+MPI_LIKE = {"mpi": "windowed", "gloo": "mpi"}
+SEMANTICS = {"mpi": "windowed", "gloo": "mpi", "nccl": "nccl", "blk": "blocking"}
+
+
+@settings(max_examples=examples(100), deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(programs(backends=tuple(MPI_LIKE), min_faults=1, max_faults=1, faults=(DEATH,)),
+       st.integers(0, 2**16))
+def test_a_rank_that_dies_at_any_step_of_a_program_leaves_the_survivors_right(program, seed):
+    """Generated programs (sub-communicators, every operation, named blocks, per-rank delays
+    and wait orders), one rank dying before it submits a step drawn at random: every
+    survivor's element that a correct runtime must have right equals the reference (what
+    the dead rank never gave, and what was computed from it, left out), every survivor's
+    step ends well or with the death's consequences (never a timeout), nothing hangs, and
+    the survivors then shrink the world to themselves and reduce over it."""
+    check_program(program, seed=seed, backends=MPI_LIKE)
+
+
+@settings(max_examples=examples(40), deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(programs(backends=tuple(SEMANTICS), min_faults=1, max_faults=1, faults=(DEATH,)),
+       st.integers(0, 2**16))
+def test_a_rank_that_dies_under_every_semantics_leaves_the_survivors_right(program, seed):
+    """The same under MPI-like, NCCL-like (a stream per lane) and blocking semantics."""
+    check_program(program, seed=seed, backends=SEMANTICS)
+
+
+def test_going_on_without_the_agreement_is_caught_in_generated_programs(monkeypatch):
+    """The policy of `test_going_on_without_the_agreement_is_caught`, under the property
+    above: some survivor goes on with the dead rank still in its communicator, and its
+    reduction fails or deadlocks (a fixed draw of programs, so that it is caught alike on
+    every run)."""
+    monkeypatch.setattr(Meeting, "agree", _without_waiting)
+    caught = []
+
+    @settings(max_examples=100, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(programs(backends=tuple(MPI_LIKE), min_faults=1, max_faults=1, faults=(DEATH,)),
+           st.integers(0, 2**16))
+    def run(program, seed):
+        try:
+            check_program(program, seed=seed, backends=MPI_LIKE)
+        except (SimDeadlock, SimMismatch, AssertionError, MCRDLError) as exc:
+            caught.append(type(exc).__name__)
+
+    run()
+    print(f"caught in {len(caught)} of 100 programs: {caught}")
+    assert caught
