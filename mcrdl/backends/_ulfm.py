@@ -105,7 +105,7 @@ class Watch:
 
 
 class Agreement:
-    """The survivors' agreement (the contract of `mcrdl.bootstrap._agree.agree`) over a
+    """The survivors' agreement (the contract of `mcrdl.bootstrap._agree.Meeting`) over a
     group's communicator: every member's value is gathered, then every member agrees that it
     got them all (``Agree``). If one did not (a member died), the communicator is revoked and
     shrunk to its live members, and the round runs again among them. Rounds run in the same
@@ -164,11 +164,19 @@ class Agreement:
         """A store for one attempt's group creation, served by ``live[0]``.
 
         Raises:
-            MCRDLError: ``live[0]`` is gone before it told where its store is.
+            MCRDLError: ``live[0]`` is gone before it told where its store is, or before
+                this member reached it.
         """
         host = live[0]
         served = self._serve() if self.rank == host else None
         said = self.agree(f"{key}/store", live, "" if served is None else served[1], gone)
         if host not in said:
             raise MCRDLError(f"{key}: rank {host}, which was to serve the store, is gone")
-        return served[0] if served is not None else self._connect(said[host])
+        if served is not None:
+            return served[0]
+        try:
+            return self._connect(said[host])
+        except Exception as exc:  # noqa: BLE001 - torch's store errors: the host is gone
+            raise MCRDLError(f"{key}: rank {host}'s store at {said[host]} cannot be "
+                             f"reached: {str(exc).splitlines()[0] if str(exc) else exc}"
+                             ) from exc
