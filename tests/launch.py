@@ -1,4 +1,5 @@
-"""Launch a pytest suite inside every rank of an ``mpiexec`` (or ``torchrun``) job.
+"""Launch a pytest suite inside every rank of an ``mpiexec`` (MPICH's or Open MPI's),
+``torchrun`` or ``python -m mcrdl run`` job.
 
 Each rank runs ``python -m pytest <suite>``; mcrdl's own per-operation timeout turns a hang
 into a CommTimeoutError with the flight recorder (which lane, which op, on which rank), and
