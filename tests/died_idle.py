@@ -14,8 +14,8 @@ def check(out: Path, victim: int, survivors: list[int], cause: str, backend: str
     """Each survivor's report in ``out``: its allreduce on the world after ``victim`` died
     failed at once with PeerLostError saying ``cause``, the survivors' own communicator went
     on, and on the shrunk world an allreduce, a named one and a split ran (``backend``'s
-    lanes in the flight recorder), finalize did not wait for the dead, and the trace has
-    every survivor."""
+    lanes in the flight recorder), a break there reached the other survivor (rule 7),
+    finalize did not wait for the dead, and the trace has every survivor."""
     reports = {p.name: p.read_text() for p in out.glob("rank*.txt")}
     assert sorted(reports) == [f"rank{r}.txt" for r in survivors], log
     members = ", ".join(map(str, survivors))
@@ -27,6 +27,9 @@ def check(out: Path, victim: int, survivors: list[int], cause: str, backend: str
         assert float(after) < 0.5 and pair == "[2.0, 2.0]", text
         assert re.search(rf"shrunk: members=\[{members}\] rank=[01] sum=\[{total}, {total}\] "
                          r"named=\[2.0\] split=1$", text, re.M), text
+        # Told of the break on their shrunk world, not timed out.
+        broken = re.search(r"broken after=([\d.]+) (\w+)", text)
+        assert broken[2] == "CommBrokenError" and float(broken[1]) < 3, text
         # The trace is gathered from the live ranks, without waiting for the dead one.
         assert float(re.search(r"finalize=([\d.]+)", text)[1]) < 3, text
     for rank in survivors:  # the flight recorder knows the survivors' communicator

@@ -190,7 +190,8 @@ def test_run_leaves_the_others_running_and_tells_them_when_a_rank_dies(tmp_path)
     world fails without waiting, with PeerLostError naming rank 1, while the communicator of
     the two goes on. Then they shrink the world to themselves and go on there. The job's
     status is the killed rank's."""
-    proc = _launch("die", tmp_path, MCRDL_TRACE=str(tmp_path / "trace.json"))
+    proc = _launch("die", tmp_path, MCRDL_TRACE=str(tmp_path / "trace.json"),
+                   MCRDL_PROGRESS_THREAD="0")  # (tests/ranks/launched.py says why)
     assert proc.returncode == 128 + 9, (proc.stdout + proc.stderr)[-6000:]
     assert "mcrdl run: rank 1 was ended by SIGKILL; the 2 still running go on" in proc.stderr
     died_idle.check(tmp_path, 1, [0, 2], "rank 1 is gone: its process was ended by SIGKILL",

@@ -60,7 +60,8 @@ def test_under_open_mpi_with_ulfm_the_survivors_shrink_and_end_as_the_reference(
     idle = tmp_path / "idle"
     idle.mkdir()
     idle_job = start_ranks(3, ["tests/ranks/launched.py", "die:0", str(idle)],
-                           launcher="openmpi", env={"MCRDL_TRACE": str(idle / "trace.json")})
+                           launcher="openmpi", env={"MCRDL_TRACE": str(idle / "trace.json"),
+                                                    "MCRDL_PROGRESS_THREAD": "0"})
     # DDP over "mcrdl" (MPI and gloo up): torch's default group remade on the survivors'
     # store, rank 0's having gone with it.
     ddp = start_ranks(3, ["examples/elastic_ddp.py", "--die-rank", "0", "--die-step", "3"],

@@ -8,8 +8,9 @@ other than VICTIM (default 1) make a communicator of their own, then VICTIM kill
 (SIGKILL) while the others wait with nothing in flight; then each tries an allreduce on the
 world, reports what it raised and how long that took, allreduces on their own communicator,
 then shrinks the world to the two of them and runs an allreduce, a named one and a split
-there, dumps its flight recorder (``OUT_DIR/fr-<R>.json``), and ends normally (writing a
-trace when ``MCRDL_TRACE`` says where). Each rank that ends writes ``OUT_DIR/rank<R>.txt``.
+there, dumps its flight recorder (``OUT_DIR/fr-<R>.json``), breaks that world (the first
+cancels an operation it had not issued) and reports how the other learned of it, and ends
+normally (writing a trace when ``MCRDL_TRACE`` says where). Each rank that ends writes ``OUT_DIR/rank<R>.txt``.
 Also run by Open MPI's ``mpiexec --with-ft ulfm`` (tests/test_survivors.py).
 """
 
@@ -58,6 +59,20 @@ else:
     world.dump_flight_recorder(os.path.join(out, "fr-{rank}.json"))
     report += (f"\nshrunk: members={list(world.members)} rank={world.rank} sum={total} "
                f"named={named} split={alone.size}")
+    # Rule 7 on the survivors: the first cancels an operation it had not issued (held back
+    # behind one of its own that nothing polls yet: the jobs run without the progress
+    # thread), which breaks their world; the other is told (through the store they now
+    # share) instead of waiting out the timeout.
+    t0 = time.monotonic()
+    if world.rank == 0:
+        doomed = world.allreduce(torch.ones(1), after=[alone.barrier()])
+        doomed.cancel()
+    try:
+        world.allreduce(torch.ones(1)).wait()
+        told = "no error"
+    except mcrdl.MCRDLError as exc:
+        told = type(exc).__name__
+    report += f"\nbroken after={time.monotonic() - t0:.2f} {told}"
 t0 = time.monotonic()
 mcrdl.finalize()  # (the trace, when on, is gathered from the live ranks only)
 report += f"\nfinalize={time.monotonic() - t0:.2f}"
