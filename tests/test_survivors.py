@@ -26,18 +26,21 @@ JOBS = {"0 of 4, 2 in the shrink's first round": (4, 0, (2, "in")),
 
 
 #: The same under Open MPI with ULFM: (ranks, who dies mid-step, who in the shrink and where,
-#: the backend of the example's allreduce).
-ULFM_JOBS = {"0 of 4 on gloo, 2 in the shrink's first round": (4, 0, (2, "in"), "gloo"),
-             "1 of 3 on mpi, 2 having made its groups": (3, 1, (2, "made"), "mpi")}
+#: the backend of the example's allreduce, the backends up). With MPI alone, the member that
+#: dies after the first round is missing from MPI's shrink of the old communicator, which
+#: fails that attempt everywhere.
+ULFM_JOBS = {"0 of 4 on gloo, 2 in the shrink's first round": (4, 0, (2, "in"), "gloo", ""),
+             "1 of 4 on MPI alone, 2 in the shrink's first round": (4, 1, (2, "in"), "mpi",
+                                                                    "mpi")}
 
 
-def _start(tmp_path, name, n, dies, in_shrink, launcher, extra=()):
+def _start(tmp_path, name, n, dies, in_shrink, launcher, extra=(), env=None):
     out = tmp_path / name.replace(" ", "_").replace(",", "").replace("'", "")
     out.mkdir()
     example = ["--die-rank", str(dies), "--die-step", "3", "--out", str(out), *extra]
     argv = (["examples/elastic.py", *example] if in_shrink is None else
             ["tests/ranks/shrink_death.py", str(in_shrink[0]), in_shrink[1], *example])
-    return start_ranks(n, argv, launcher=launcher), out, n, dies, in_shrink
+    return start_ranks(n, argv, launcher=launcher, env=env), out, n, dies, in_shrink
 
 
 def test_the_survivors_shrink_and_end_as_the_reference(tmp_path):
@@ -67,8 +70,8 @@ def test_under_open_mpi_with_ulfm_the_survivors_shrink_and_end_as_the_reference(
     ddp = start_ranks(3, ["examples/elastic_ddp.py", "--die-rank", "0", "--die-step", "3"],
                       launcher="openmpi")
     started = {name: _start(tmp_path, name, n, dies, in_shrink, "openmpi",
-                            ["--backend", backend])
-               for name, (n, dies, in_shrink, backend) in ULFM_JOBS.items()}
+                            ["--backend", backend], {"MCRDL_BACKENDS": up} if up else None)
+               for name, (n, dies, in_shrink, backend, up) in ULFM_JOBS.items()}
     _check(started, None)
     done = finish(idle_job, 90)
     log = (done.stdout + done.stderr)[-6000:]

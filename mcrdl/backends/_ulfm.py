@@ -24,6 +24,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from ..core import MCRDLError
+from ..core._forever import forever
 
 __all__ = ["Agreement", "Watch", "enabled", "ranks_in"]
 
@@ -32,6 +33,8 @@ __all__ = ["Agreement", "Watch", "enabled", "ranks_in"]
 #: (0.75 to 2 s at the engine's 0.25 s checks), eight in a row at the first look after it
 #: (docs/performance-log.md, "Survivors under Open MPI's ULFM").
 _TESTS = 8
+#: The stores this process serves to the survivors (`Agreement.store_for`).
+_SERVED: list[Any] = forever([])
 #: How the watch describes a process whose failure MPI reported.
 FAILED = "its process failed (MPI's fault tolerance reported it)"
 
@@ -173,7 +176,10 @@ class Agreement:
         if host not in said:
             raise MCRDLError(f"{key}: rank {host}, which was to serve the store, is gone")
         if served is not None:
-            return served[0]
+            # The server lives as long as the process (any survivor may still reach it); the
+            # attempt gets a connection of its own, as every other member has.
+            _SERVED.append(served[0])
+            return served[0].clone()
         try:
             return self._connect(said[host])
         except Exception as exc:  # noqa: BLE001 - torch's store errors: the host is gone

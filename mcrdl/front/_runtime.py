@@ -354,8 +354,8 @@ class Runtime:
             # The bootstrap's store went with its rank (mpiexec): the survivors' goes on in
             # its place, served by their first member (`mcrdl.backends._ulfm`).
             self._store = store
-            if self.notices is not None:
-                self.notices.move(store, members[0])
+            if self.notices is not None:  # (a connection of their own, as at init)
+                self.notices.move(store.clone(), members[0])
         return self._communicator(name, *groups, members)
 
     def close_communicator(self, comm: Communicator) -> None:
