@@ -68,7 +68,7 @@ class Notices:
 
     def move(self, store: Any, host: int) -> None:
         """Go on through ``store``, served by world rank ``host``: the survivors' own, once
-        the store's process is gone (`Runtime.shrink_communicator`; the listener's
+        the store's process is gone (`mcrdl.front._shrink`; the listener's
         connection went with it)."""
         self._store, self._host = store, host
         self._thread = self._start(store)

@@ -322,40 +322,9 @@ class Runtime:
             raise BackendUnavailableError("this runtime has no launched job's store")
         return self.bootstrap.store()
 
-    def meeting(self, comm: Communicator) -> Any:
-        """Where the survivors of ``comm`` agree (`Communicator.shrink`): through a backend
-        that carries the agreement itself (`Backend.agreement`: MPI where it is fault
-        tolerant; under mpiexec the store lives in rank 0, which may be the one gone), else
-        the bootstrap's store, or the meeting point the runtime was given (a simulated
-        world's).
-
-        Raises:
-            BackendUnavailableError: there is none (a runtime made without a launcher).
-        """
-        for bname in sorted(self._backends):
-            agreement = self._backends[bname].agreement(comm._slots[bname].group,
-                                                        self.engine.lock)
-            if agreement is not None:
-                return agreement
-        if self._meeting is None:
-            if self.bootstrap is None:
-                raise BackendUnavailableError(
-                    "this runtime has no launched job's store for the survivors to agree "
-                    "through")
-            self._meeting = Meeting(self.bootstrap.store(), self.bootstrap.rank,
-                                    self.bootstrap.timeout)
-        return self._meeting
-
     def shrink_communicator(self, comm: Communicator) -> Communicator:
         """See `Communicator.shrink`."""
-        name, groups, members, store = shrink(self, comm)
-        bootstrap = self.bootstrap
-        if bootstrap is not None and bootstrap.store_host in self.engine.gone:
-            # The bootstrap's store went with its rank (mpiexec): the survivors' goes on in
-            # its place, served by their first member (`mcrdl.backends._ulfm`).
-            self._store = store
-            if self.notices is not None:  # (a connection of their own, as at init)
-                self.notices.move(store.clone(), members[0])
+        name, groups, members = shrink(self, comm)
         return self._communicator(name, *groups, members)
 
     def close_communicator(self, comm: Communicator) -> None:

@@ -3,7 +3,7 @@ communicator of them (docs/design.md, rule 9).
 
 Two rounds of the survivors' agreement per attempt, through the bootstrap's store
 (`mcrdl.bootstrap._agree`) or, where MPI is fault tolerant, through MPI
-(`mcrdl.backends._ulfm`; `Runtime.meeting` picks):
+(`mcrdl.backends._ulfm`; `_meeting` picks):
 
 1. **Who is in.** Every live member says so; the answer is the same set on every one of
    them.
@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..bootstrap._agree import Meeting
 from ..core._errors import BackendUnavailableError, MCRDLError
 
 if TYPE_CHECKING:
@@ -45,16 +46,14 @@ _RETRIES = 2
 Groups = tuple[dict[str, Any], dict[str, Any], Any]
 
 
-def shrink(runtime: Runtime,
-           comm: Communicator) -> tuple[str, Groups, tuple[int, ...], Any]:
+def shrink(runtime: Runtime, comm: Communicator) -> tuple[str, Groups, tuple[int, ...]]:
     """The name, groups and members (world ranks, in rank order) of the communicator of
-    ``comm``'s live members, agreed by all of them (see the module docstring), and the store
-    its groups were made through.
+    ``comm``'s live members, agreed by all of them (see the module docstring).
 
     Raises:
         BackendUnavailableError: a backend of ``comm`` cannot make a group once members are
             gone, or there is no launched job's store to agree through
-            (`Runtime.meeting`).
+            (`_meeting`).
         MCRDLError: a live member did not take part within the bootstrap's timeout, or could
             not make its groups while nobody died.
     """
@@ -67,7 +66,7 @@ def shrink(runtime: Runtime,
             f"start; Open MPI's can, started by mpiexec --with-ft ulfm); bring up only "
             f"backends that can (init(backends='gloo')), under a launcher that lets the "
             f"survivors live (python -m mcrdl run)")
-    meeting = runtime.meeting(comm)
+    meeting = _meeting(runtime, comm)
     engine = runtime.engine
 
     def gone() -> set[int]:
@@ -92,7 +91,8 @@ def shrink(runtime: Runtime,
             error = _GONE  # (what failed it, whether or not its watcher saw it first)
         said = meeting.agree(f"{key}/made", live, "ok" if made is not None else error, gone)
         if made is not None and len(said) == len(live) and all(v == "ok" for v in said.values()):
-            return name, made, tuple(live), store
+            _go_on_through(runtime, store, live[0])
+            return name, made, tuple(live)
         if made is not None:
             _abandon(runtime, made)
         died = len(said) < len(live) or _GONE in said.values()
@@ -102,6 +102,41 @@ def shrink(runtime: Runtime,
                     f"rank {m} failed: {v}" for m, v in said.items() if v != "ok"))
         members = live
         attempt += 1
+
+
+def _meeting(runtime: Runtime, comm: Communicator) -> Any:
+    """Where the survivors of ``comm`` agree: through a backend that carries the agreement
+    itself (`Backend.agreement`: MPI where it is fault tolerant; under mpiexec the store
+    lives in rank 0, which may be the one gone), else the bootstrap's store, or the meeting
+    point the runtime was given (a simulated world's).
+
+    Raises:
+        BackendUnavailableError: there is none (a runtime made without a launcher).
+    """
+    for bname in sorted(runtime._backends):
+        agreement = runtime._backends[bname].agreement(comm._slots[bname].group,
+                                                       runtime.engine.lock)
+        if agreement is not None:
+            return agreement
+    if runtime._meeting is None:
+        bootstrap = runtime.bootstrap
+        if bootstrap is None:
+            raise BackendUnavailableError(
+                "this runtime has no launched job's store for the survivors to agree through")
+        runtime._meeting = Meeting(bootstrap.store(), bootstrap.rank, bootstrap.timeout)
+    return runtime._meeting
+
+
+def _go_on_through(runtime: Runtime, store: Any, host: int) -> None:
+    """Once the bootstrap's store went with its rank (mpiexec), the survivors' ``store``,
+    served by world rank ``host`` (`mcrdl.backends._ulfm`), goes on in its place: the
+    runtime's (`Runtime.store`) and the notices' (a connection of their own, as at init)."""
+    bootstrap = runtime.bootstrap
+    if bootstrap is None or bootstrap.store_host not in runtime.engine.gone:
+        return
+    runtime._store = store
+    if runtime.notices is not None:
+        runtime.notices.move(store.clone(), host)
 
 
 def _make(runtime: Runtime, comm: Communicator, indices: list[int], name: str,
