@@ -173,6 +173,8 @@ class Bootstrap:
         elif self.launcher == "torchrun":
             self.rank, self.size = int(env["RANK"]), int(env["WORLD_SIZE"])
             self.local_size = int(env.get("LOCAL_WORLD_SIZE", self.size))
+            # torch's env:// rendezvous uses its agent's store then, else rank 0's.
+            self._agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         else:
             self.rank, self.size, self.local_size = 0, 1, 1
         self.host = self._address(config, env)
@@ -256,11 +258,7 @@ class Bootstrap:
         """The world rank whose process serves the store (`store`): rank 0 under mpiexec,
         and under torchrun or with a given store where no launcher's own store is behind
         it; None where the launcher holds it (python -m mcrdl run, torchrun's agent)."""
-        if self.launcher == "single" or self._agent_store:
-            return None
-        if self.launcher == "torchrun":
-            return None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
-        return 0
+        return None if self.launcher == "single" or self._agent_store else 0
 
     def store(self) -> Any:
         """A torch.distributed Store shared by all ranks, made on first use (collective)."""

@@ -54,18 +54,16 @@ _DATA_LINK = ("ip link add d$i type veth peer name data0 netns h$i"
               f" && ip -n h$i addr add {_SUBNET6}$((10 + i))/64 dev data0 nodad"
               " && ip -n h$i link set data0 up || exit 97")
 
-_FAKE_SSH = """#!/bin/bash
+_FAKE_SSH_HEAD = """#!/bin/bash
 # hydra's ssh launcher runs: fake-ssh [options] HOST COMMAND...; run COMMAND in HOST's namespace.
 while [[ "$1" == -* ]]; do shift; done
 host="$1"; shift
-exec ip netns exec "$(cat "$(dirname "$0")/hosts/$host")" /bin/sh -c "$*"
+ns="$(cat "$(dirname "$0")/hosts/$host")"
 """
-
+_FAKE_SSH = _FAKE_SSH_HEAD + 'exec ip netns exec "$ns" /bin/sh -c "$*"\n'
 #: Open MPI's launcher tells nodes apart by their host names: each host its own.
-_FAKE_SSH_NAMED = _FAKE_SSH.replace(
-    'exec ip netns exec "$(cat "$(dirname "$0")/hosts/$host")" /bin/sh -c "$*"',
-    'ns="$(cat "$(dirname "$0")/hosts/$host")"\n'
-    'exec ip netns exec "$ns" unshare --uts /bin/sh -c "hostname $ns; $*"')
+_FAKE_SSH_NAMED = (_FAKE_SSH_HEAD
+                   + 'exec ip netns exec "$ns" unshare --uts /bin/sh -c "hostname $ns; $*"\n')
 
 _MPICH_LAUNCH = ('ip netns exec h0 {mpiexec} -launcher ssh -launcher-exec "$D/fake-ssh" '
                  '-hosts "$hosts" -n $((N * {per_host})) -ppn {per_host} {launcher_args} {argv}')
