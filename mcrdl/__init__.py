@@ -17,7 +17,6 @@ for it in ordinary code::
 from .core._errors import (
     BackendError,
     BackendUnavailableError,
-    CommAbortedError,
     CommBrokenError,
     CommClosedError,
     CommTimeoutError,
@@ -43,7 +42,6 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendError",
     "BackendUnavailableError",
-    "CommAbortedError",
     "CommBrokenError",
     "CommClosedError",
     "CommFuture",

@@ -73,6 +73,8 @@ def start_ranks(n: int, argv: list[str], *, env: dict[str, str] | None = None,
                "--output", "tag", "-n", str(n), sys.executable, *argv]
     elif launcher == "mcrdl":  # python -m mcrdl run: no rank's death ends the others
         cmd = [sys.executable, "-m", "mcrdl", "run", "-n", str(n), *argv]
+    elif launcher == "given":  # from a file store: rank 0 serves mcrdl's, and nobody tells
+        cmd = [sys.executable, "tests/ranks/given_store.py", str(n), *argv]
     elif launcher == "self":  # one process, which starts the others (Lightning's launcher)
         cmd = [sys.executable, *argv]
     else:

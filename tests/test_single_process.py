@@ -217,6 +217,13 @@ def test_config_from_environment_and_arguments():
     with pytest.raises(ValueError, match=r"^fusion_bytes=-1 must be a non-negative number of "
                                          r"bytes \(0: off\)$"):
         Config.load(fusion_bytes=-1)
+    assert Config.load(environ={}).peer_timeout == 10.0
+    assert Config.load(environ={"MCRDL_PEER_TIMEOUT": "3"}).peer_timeout == 3.0
+    for bad in ("0", "0.5"):
+        with pytest.raises(ValueError, match=rf"^MCRDL_PEER_TIMEOUT='{bad}' must be at least 1 "
+                                             r"second \(the kernel's keep-alive probes count "
+                                             r"whole seconds\)$"):
+            Config.load(environ={"MCRDL_PEER_TIMEOUT": bad})
 
 
 def test_check_tasks_gives_every_communicator_the_task_check():
@@ -237,7 +244,7 @@ def test_import_initializes_nothing():
 
 
 PUBLIC = [
-    "BackendError", "BackendUnavailableError", "CommAbortedError", "CommBrokenError",
+    "BackendError", "BackendUnavailableError", "CommBrokenError",
     "CommClosedError",
     "CommFuture", "CommTimeoutError", "Communicator", "DType", "DependencyFailedError",
     "DesyncError", "EngineStats", "FutureCancelledError", "InvalidStateError", "MCRDLError",

@@ -20,7 +20,6 @@ splits it by counts (in dim-0 rows).
 
 from __future__ import annotations
 
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from ctypes import memmove
@@ -151,14 +150,6 @@ class Rendezvous(Protocol):
         """A torch.distributed Store shared by all ranks (created on first use)."""
         ...
 
-    def serve_store(self) -> tuple[Any, str]:
-        """A new store served by this rank, and its address for ``connect_store``."""
-        ...
-
-    def connect_store(self, address: str) -> Any:
-        """A connection to the store another rank serves at ``address``."""
-        ...
-
 
 class Backend(ABC):
     """One transport behind the engine. Subclasses set ``name`` and ``capabilities``.
@@ -210,19 +201,6 @@ class Backend(ABC):
         """
         raise BackendUnavailableError(
             f"backend {self.name} cannot make a group once members of its parent are gone")
-
-    def lost(self) -> Mapping[int, str]:
-        """The world ranks whose processes this backend has learned are gone, with how: a
-        fault-tolerant MPI's own detection (the engine asks every check interval and when
-        an operation fails). Empty for a backend that does not detect deaths (the default):
-        the launcher tells of them instead."""
-        return {}
-
-    def agreement(self, group: Any, lock: threading.Lock) -> Any:
-        """An agreement of ``group``'s live members that needs no store (a fault-tolerant
-        MPI's: `mcrdl.backends._ulfm.Agreement`), its calls serialized by ``lock``; or None,
-        where this backend cannot carry one (the default)."""
-        return None
 
     @abstractmethod
     def free_group(self, group: Any) -> None:

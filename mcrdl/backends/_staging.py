@@ -37,7 +37,6 @@ queued behind it would be made in its place.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -165,12 +164,6 @@ class StagedBackend(Backend):
 
     def regroup(self, parent: Any, members: Sequence[int], tag: str, store: Any) -> Any:
         return self.inner.regroup(parent, members, tag, store)
-
-    def lost(self) -> Mapping[int, str]:
-        return self.inner.lost()
-
-    def agreement(self, group: Any, lock: threading.Lock) -> Any:
-        return self.inner.agreement(group, lock)
 
     def free_group(self, group: Any) -> None:
         if not self._queues.get(group):  # (operations given up on may still be queued)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -163,12 +163,6 @@ class ThreadedBackend(Backend):
     def regroup(self, parent: _ThreadedGroup, members: Sequence[int], tag: str,
                 store: Any) -> Group:
         return self._wrap(self.inner.regroup(parent.inner, members, tag, store))
-
-    def lost(self) -> Mapping[int, str]:
-        return self.inner.lost()
-
-    def agreement(self, group: _ThreadedGroup, lock: threading.Lock) -> Any:
-        return self.inner.agreement(group.inner, lock)
 
     def free_group(self, group: _ThreadedGroup) -> None:
         group.worker.put(None)

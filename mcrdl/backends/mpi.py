@@ -22,18 +22,16 @@ Quirks beyond the contract:
   callback (``_half_ops``) cannot read device memory (``host_only``); the runtime stages those,
   and every operation on device buffers of an MPI that is not CUDA-aware or does not say,
   through pinned host copies (``backends._staging``; docs/gpu.md).
-- Under Open MPI with its fault tolerance on (``mpiexec --with-ft ulfm``), it learns of
-  deaths itself (``lost``), shrinks a group to its live members (``regroup``), and carries
-  the survivors' agreement (``agreement``): ``backends._ulfm``.
+- Under Open MPI with its fault tolerance on (``mpiexec --with-ft ulfm``), it shrinks a
+  group to its live members (``regroup``): ``backends._ulfm``.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import threading
 import zlib
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..core._errors import BackendError, BackendUnavailableError, DesyncError
@@ -246,9 +244,8 @@ class MPIBackend(Backend):
                 "'serialized' (or let mcrdl import mpi4py first)"
             )
         self._world = _MPIGroup(MPI.COMM_WORLD.Dup())
-        self._bootstrap = bootstrap
-        #: What learns of deaths, where MPI is fault tolerant (ULFM); else None.
-        self._watch = _ulfm.Watch(MPI) if _ulfm.enabled(MPI) else None
+        #: Whether MPI is fault tolerant here (ULFM): it can go on once members are gone.
+        self._ft = _ulfm.enabled(MPI)
         #: This process alone: `copy_host`'s sendrecv to itself.
         self._self = MPI.COMM_SELF.Dup()
         #: The kinds of memory this MPI library says it reaches (empty: it does not say).
@@ -316,7 +313,7 @@ class MPIBackend(Backend):
             # or large (docs/performance-log.md, "One collective in flight per MPI
             # communicator").
             issue_window=1,
-            regroups_after_loss=self._watch is not None,
+            regroups_after_loss=self._ft,
         )
 
     # -- groups --------------------------------------------------------------------------
@@ -342,7 +339,7 @@ class MPIBackend(Backend):
                 MPI could not shrink.
             BackendUnavailableError: MPI is not fault tolerant here.
         """
-        if self._watch is None:
+        if not self._ft:
             super().regroup(parent, members, tag, store)  # (raises)
         MPI = self._MPI
         try:
@@ -355,16 +352,6 @@ class MPIBackend(Backend):
             raise BackendError(f"MPI's live members are ranks {got} of the parent, not the "
                                f"agreed {list(members)}: a member died since the agreement")
         return _MPIGroup(comm)
-
-    def lost(self) -> Mapping[int, str]:
-        return {} if self._watch is None else self._watch.lost()
-
-    def agreement(self, group: _MPIGroup, lock: threading.Lock) -> Any:
-        if self._watch is None or group.comm is None:
-            return None
-        bootstrap = self._bootstrap
-        return _ulfm.Agreement(self._MPI, group.comm, lock, bootstrap.rank,
-                               bootstrap.serve_store, bootstrap.connect_store)
 
     def abandon(self, group: _MPIGroup) -> None:
         """Never free ``group``'s communicators: MPICH releases a freed communicator's
@@ -397,8 +384,6 @@ class MPIBackend(Backend):
         seg_comm.Free()
 
     def close(self) -> None:
-        if self._watch is not None:
-            self._watch.close()
         self.free_group(self._world)
         self._self.Free()
 
@@ -615,17 +600,8 @@ class MPIBackend(Backend):
         return self._error_of(exc.Get_error_code())
 
     def _error_of(self, code: int) -> BackendError:
-        """The BackendError reporting MPI error ``code``; under ULFM, a failure names the
-        ranks known gone (the watch learns them now: the engine then breaks the
-        communicator for them)."""
-        MPI = self._MPI
-        text = MPI.Get_error_string(code)
-        if self._watch is not None and MPI.Get_error_class(code) in (
-                MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED):
-            gone = sorted(self._watch.learn())
-            if gone:
-                text += f" (world ranks {gone} are gone)"
-        return BackendError(f"MPI: {text}")
+        """The BackendError reporting MPI error ``code``."""
+        return BackendError(f"MPI: {self._MPI.Get_error_string(code)}")
 
     def _test_each(self, requests: list[Request]) -> list[tuple[int, BaseException | None]]:
         """One Test per request (segmented operations are not MPI requests)."""

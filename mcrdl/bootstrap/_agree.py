@@ -14,9 +14,9 @@ left out, and it is the same on every member, however late each learns of a deat
 
 So the answer is "every member that wrote", fixed once the last live member has written.
 This needs a store that outlives every rank: ``python -m mcrdl run`` hosts it in the
-launcher. Under mpiexec it lives in rank 0; where MPI is fault tolerant (Open MPI's ULFM),
-the survivors agree through MPI instead (`mcrdl.backends._ulfm.Agreement`, the same
-contract), and elsewhere the wait fails with the store's error once rank 0 is gone.
+launcher, as torchrun's agent does. Where the store lives in a rank (mpiexec, a given
+store), the survivors agree through the mesh between the ranks instead
+(`mcrdl.bootstrap._mesh.Mesh`, the same contract).
 
 It polls the store (a round trip every few milliseconds) while it waits: only after a loss,
 never in the steps of a job where nobody dies.
@@ -91,5 +91,6 @@ class Meeting:
         until the backend's timeout: neither the agreement nor the next attempt may queue
         behind it)."""
         return self.store.clone()
+
 
 

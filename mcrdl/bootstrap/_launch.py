@@ -143,8 +143,6 @@ class Bootstrap:
         self._mpi_comm: Any = None
         self._given: Any = None
         self._agent_store = False
-        #: Called (from a signal handler: flag-setting only) when a peer process dies.
-        self.on_peer_failure: list[Any] = []
         if given is not None:
             self._given, self.rank, self.size = given
             # Its launcher's own store (torchrun's agent, python -m mcrdl run): the one no
@@ -241,17 +239,14 @@ class Bootstrap:
     def _watch_peer_failures(self) -> None:
         """MPICH's launcher signals SIGUSR1 to the survivors when a rank dies (under
         ``mpiexec -disable-auto-cleanup``; by default it kills them): Python would die of it.
-        Catch it instead, and let the runtime fail what is in flight (CommAbortedError).
-        A handler the program installed itself is left alone."""
+        Ignore it instead: the signal names no rank, and the mesh between the ranks tells
+        which one died (`mcrdl.bootstrap._mesh`). A handler the program installed itself is
+        left alone."""
         if threading.current_thread() is not threading.main_thread():
             return
         if signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL:
             return
-        signal.signal(signal.SIGUSR1, self._peer_failed)
-
-    def _peer_failed(self, signum: int, frame: Any) -> None:
-        for callback in list(self.on_peer_failure):
-            callback("a peer process died (the MPI launcher signalled SIGUSR1)")
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
     @property
     def store_host(self) -> int | None:
@@ -328,7 +323,7 @@ class Bootstrap:
     def serve_store(self) -> tuple[Any, str]:
         """A new store served by this rank, and its address for `connect_store`: where the
         survivors of a loss meet when the bootstrap's store may be gone with rank 0
-        (`mcrdl.backends._ulfm.Agreement.store_for`)."""
+        (`mcrdl.bootstrap._mesh.Mesh.store_for`)."""
         store, port = self._serve(datetime.timedelta(seconds=self.timeout))
         return store, f"{self.host} {port}"
 

@@ -112,8 +112,7 @@ class Notices:
             try:
                 notice = json.loads(raw)
                 if "lost" in notice:  # from the launcher (python -m mcrdl run): a process died
-                    self._engine.post_lost(int(notice["lost"]), str(notice["cause"]))
-                    self._engine.check_signals()
+                    self._engine.learn_lost(int(notice["lost"]), str(notice["cause"]))
                     continue
                 for lost, why in notice.get("gone", {}).items():
                     self._engine.post_lost(int(lost), str(why))

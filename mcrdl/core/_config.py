@@ -15,6 +15,7 @@
 | ``MCRDL_TRACE`` | ``trace`` | write a timeline of every rank's operations here at ``finalize()`` (trace-event JSON) |
 | ``MCRDL_FUSION_BYTES`` | ``fusion_bytes`` | the most bytes one fused allreduce of small named ones carries; ``0``: no fusion (the same on every rank) |
 | ``MCRDL_HOST`` | ``host`` | this host's interface name or own address, to bind and advertise (default: loopback where all ranks share a network, else the interface that reaches rank 0) |
+| ``MCRDL_PEER_TIMEOUT`` | | seconds a peer's host may not answer before its ranks count as gone (default 10; the mesh's, where the store lives in a rank: ``mcrdl.bootstrap._mesh``) |
 """
 
 from __future__ import annotations
@@ -23,13 +24,15 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Config", "DEFAULT_FUSION_BYTES", "DEFAULT_TIMEOUT"]
+__all__ = ["Config", "DEFAULT_FUSION_BYTES", "DEFAULT_PEER_TIMEOUT", "DEFAULT_TIMEOUT"]
 
 #: Seconds an issued operation may take before it fails with CommTimeoutError.
 DEFAULT_TIMEOUT = 300.0
 #: Bytes one fused allreduce carries at most (`mcrdl.engine._fusion`; docs/performance-log.md,
 #: "Fusion of small named allreduces; awaiting tasks that finished meanwhile").
 DEFAULT_FUSION_BYTES = 1 << 20
+#: Seconds a peer's host may not answer before its ranks count as gone (`mcrdl.bootstrap._mesh`).
+DEFAULT_PEER_TIMEOUT = 10.0
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -59,6 +62,14 @@ def _seconds(name: str, value: str | float | None) -> float | None:
     return None if value == 0 else float(value)
 
 
+def _peer_timeout(value: str) -> float:
+    seconds = _seconds("MCRDL_PEER_TIMEOUT", value)
+    if seconds is None or seconds < 1:
+        raise ValueError(f"MCRDL_PEER_TIMEOUT={value!r} must be at least 1 second (the "
+                         f"kernel's keep-alive probes count whole seconds)")
+    return seconds
+
+
 def _bytes(name: str, value: str | int) -> int:
     if isinstance(value, str):
         try:
@@ -85,6 +96,7 @@ class Config:
     log: bool = False
     trace: str | None = None
     fusion_bytes: int = DEFAULT_FUSION_BYTES
+    peer_timeout: float = DEFAULT_PEER_TIMEOUT
 
     @classmethod
     def load(
@@ -135,4 +147,5 @@ class Config:
             fusion_bytes=(_bytes("fusion_bytes", fusion_bytes) if fusion_bytes is not None
                           else _bytes("MCRDL_FUSION_BYTES", env.get(
                               "MCRDL_FUSION_BYTES", str(DEFAULT_FUSION_BYTES)))),
+            peer_timeout=_peer_timeout(env.get("MCRDL_PEER_TIMEOUT", str(DEFAULT_PEER_TIMEOUT))),
         )

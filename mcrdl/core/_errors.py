@@ -5,7 +5,6 @@ from __future__ import annotations
 __all__ = [
     "BackendError",
     "BackendUnavailableError",
-    "CommAbortedError",
     "CommBrokenError",
     "CommClosedError",
     "CommTimeoutError",
@@ -88,9 +87,7 @@ class CommBrokenError(MCRDLError):
 
 class PeerLostError(CommBrokenError):
     """The operation's communicator broke because a member's process is gone (it died, or
-    its host was cut off), as the launcher reported: the message names the lost ranks
-    (world ranks). Communicators without them go on."""
+    its host was cut off), as the launcher or the mesh between the ranks reported: the
+    message names the lost ranks (world ranks). Communicators without them go on."""
 
 
-class CommAbortedError(MCRDLError):
-    """The runtime was aborted (a peer died, or ``finalize`` cut in-flight work short)."""

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 
 from ..core._errors import (
     BackendError,
-    CommAbortedError,
     CommBrokenError,
     CommTimeoutError,
     DesyncError,
@@ -53,8 +52,7 @@ __all__ = ["Breaks", "linger", "waited_by"]
 #: its communicator like an operation that was never issued: the engine gave up on it
 #: (timed out, aborted, finalized, cancelled), or it never started (a backend's worker
 #: thread could not start it). Any other error a backend reports is the operation's own.
-_NOT_AS_ISSUED = (CommTimeoutError, CommAbortedError, RuntimeFinalizedError,
-                  FutureCancelledError, StartError)
+_NOT_AS_ISSUED = (CommTimeoutError, RuntimeFinalizedError, FutureCancelledError, StartError)
 
 #: Errors that end an unissued operation without breaking its communicator: it is broken
 #: already, or debug mode refused the operation, which every member does alike (they all
@@ -164,7 +162,6 @@ class Breaks:
     _work: deque[tuple[CommFuture, BaseException | None]]
     _zombies: dict[CommFuture, None]
     _hazards: HazardIndex
-    _abort_reason: str | None
     _lock: threading.Lock
     timeout: float | None
     on_heard: Callable[[CommState, str, int], Callable[[], None] | None] | None
@@ -385,14 +382,6 @@ class Breaks:
 
     # -- what arrives from outside (any thread, or a signal handler) ---------------------
 
-    def request_abort(self, reason: str) -> None:
-        """Fail every unfinished operation with CommAbortedError at the next check.
-
-        Safe from a signal handler: it only sets a flag (the handler may interrupt a thread
-        that holds the engine's lock).
-        """
-        self._abort_reason = reason
-
     def post_break(self, comm_name: str, cause: str, peer: int, stops: Stops) -> None:
         """Member ``peer`` of ``comm_name`` stopped issuing there at ``stops``, the
         communicator broken for ``cause``: apply it at the next check.
@@ -410,11 +399,18 @@ class Breaks:
         Safe from any thread (it only appends to a deque)."""
         self._lost.append((world_rank, cause))
 
+    def learn_lost(self, world_rank: int, cause: str) -> None:
+        """`post_lost`, applied at once (`check_signals`): from any thread but a signal
+        handler, without the lock (the notices' and the mesh's threads)."""
+        self.post_lost(world_rank, cause)
+        self.check_signals()
+
     def _as_lost(self, fut: CommFuture, error: BackendError) -> BaseException:
         """``fut``'s backend ``error``, as PeerLostError where a member of its communicator
-        is gone, the backends asked first (`Backend.lost`): the death is why it failed, and
-        the communicator breaks for it (here, and at the peers it tells)."""
-        self._learn_lost()
+        is gone, what arrived of deaths applied first: the death is why it failed, and the
+        communicator breaks for it (here, and at the peers it tells)."""
+        if self._lost:
+            self._apply_lost()
         comm = fut.lane.comm
         if not comm.lost:
             return error
@@ -424,28 +420,8 @@ class Breaks:
         lost.__cause__ = error
         return lost
 
-    def learn_lost(self) -> None:
-        """Ask every backend which processes it has learned are gone (`Backend.lost`: a
-        fault-tolerant MPI's detection) and apply that with the rest of what arrived from
-        outside (`check_signals`). Without the lock."""
-        with self._lock:
-            self._learn_lost()
-            self._run_work()
-        self._after_lock()
-        self.check_signals()
-
-    def _learn_lost(self) -> None:
-        """`learn_lost`'s part under the lock: break the communicators of the processes
-        backends learned are gone."""
-        for track in self._track_list:
-            for rank, how in track.backend.lost().items():
-                if rank not in self.gone:
-                    self._lost.append((rank, how))
-        if self._lost:
-            self._apply_lost()
-
     def _apply_lost(self) -> None:
-        """Break the communicators of the members the launcher (or a backend) told are gone
+        """Break the communicators of the members the launcher or the mesh told are gone
         (lock held)."""
         while self._lost:
             gone, cause = self._lost.popleft()
@@ -464,14 +440,9 @@ class Breaks:
                             comm.members.index(rank), {})
 
     def check_signals(self) -> None:
-        """Apply what arrived from outside since the last check: an abort, breaks that peers
-        told of, processes the launcher told are gone. Cheap when nothing did (three reads).
-        Without the lock."""
-        if self._abort_reason is not None:
-            reason, self._abort_reason = self._abort_reason, None
-            self.fail_all(lambda f: CommAbortedError(f"{f.kind}#{f.seq} on lane "
-                                                     f"{f.lane.backend_name}:{f.lane.comm_name}"
-                                                     f" aborted: {reason}"))
+        """Apply what arrived from outside since the last check: breaks that peers told of,
+        processes the launcher or the mesh told are gone. Cheap when nothing did (two
+        reads). Without the lock."""
         if self._lost:
             with self._lock:
                 self._apply_lost()

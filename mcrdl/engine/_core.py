@@ -94,7 +94,7 @@ class Engine(Places, Edges, Breaks, Events, Idling):
         "_hazards", "_zombies", "_work", "_due", "_to_tell", "_thread", "last_active",
         "_n_completed", "log", "drivers", "_burst", "idle_hook", "_deferred", "_gated",
         "_track_list", "_n_polls", "_policy", "_closed_why", "_tracks", "_lanes", "_comms",
-        "timeout", "_on_timeout", "_next_check", "_abort_reason", "_told", "_lost",
+        "timeout", "_on_timeout", "_next_check", "_told", "_lost",
         "_told_early", "gone",
         "on_break", "_n_failed", "_n_cancelled", "_n_dropped", "log_edges", "waiting",
         "on_fault", "on_heard",
@@ -141,7 +141,6 @@ class Engine(Places, Edges, Breaks, Events, Idling):
         #: flight recorder as it stood).
         self._on_timeout = on_timeout
         self._next_check = 0.0
-        self._abort_reason: str | None = None
         #: Peers' stops on broken communicators, not yet applied (filled from any thread):
         #: (communicator, cause, the peer's rank there, its stops).
         self._told: deque[tuple[str, str, int, Stops]] = deque()

@@ -181,7 +181,6 @@ class Idling:
     if TYPE_CHECKING:  # the engine's other parts
         def _lone(self, fut: CommFuture) -> CommFuture | None: ...
         def check_signals(self) -> None: ...
-        def learn_lost(self) -> None: ...
         def _bury(self, fut: CommFuture) -> bool: ...
         def agreements(self) -> list[Names]: ...
         def _give_up(self, fut: CommFuture, error: BaseException) -> None: ...
@@ -296,16 +295,14 @@ class Idling:
 
     def check_deadlines(self, now: float) -> None:
         """Apply outside signals (``check_signals``); then, at most every ``timeout / 8``
-        (0.25 s at most), bury zombies whose backend has finished with them, apply the
-        deaths backends learned of (`Backend.lost`), fail issued operations older than
-        ``timeout`` with CommTimeoutError, and named operations that waited for agreement
+        (0.25 s at most), bury zombies whose backend has finished with them, fail issued
+        operations older than ``timeout`` with CommTimeoutError, and named operations that waited for agreement
         that long with DesyncError."""
         self.check_signals()
         if now < self._next_check:
             return
         timeout = self.timeout
         self._next_check = now + self._check_interval()
-        self.learn_lost()
         with self._lock:
             for zombie in list(self._zombies):
                 self._bury(zombie)

@@ -24,6 +24,7 @@ from ..backends._staging import StagedBackend
 from ..backends._threaded import ThreadedBackend, Threads
 from ..bootstrap._agree import Meeting
 from ..bootstrap._launch import Bootstrap, finalize_mpi, mpi_up
+from ..bootstrap._mesh import Mesh
 from ..bootstrap._notices import Notices
 from ..core._config import Config
 from ..core._versions import check_torch
@@ -121,8 +122,11 @@ class Runtime:
             except ValueError as exc:  # every rank must still reach the agreement exchange
                 self._tuning_error = str(exc)
         self.selector = selector or Selector(tuple(backends), table=self.tuning)
-        if bootstrap is not None:
-            bootstrap.on_peer_failure.append(self.engine.request_abort)
+        #: A connection to every peer, where the store lives in a rank: who died, and the
+        #: survivors' agreement (`mcrdl.bootstrap._mesh`; None: a launcher's store).
+        self.mesh: Mesh | None = None
+        if bootstrap is not None and bootstrap.size > 1 and bootstrap.store_host is not None:
+            self.mesh = Mesh(bootstrap, config.peer_timeout, self.engine.learn_lost)
         self.engine.on_fault = self._on_fault
         self.engine.on_heard = self._on_heard
         if "torch" in sys.modules:  # (every backend here loads it; a numpy-only world has none)
@@ -466,6 +470,8 @@ class Runtime:
             sys.stderr.write(f"mcrdl: the comms log or trace could not be written: {exc}\n")
         if self.notices is not None:
             self.notices.close()
+        if self.mesh is not None:
+            self.mesh.close()
         stats = engine.stats()
         if stats.failed:
             global _unhealthy

@@ -70,7 +70,7 @@ def shrink(runtime: Runtime, comm: Communicator) -> tuple[str, Groups, tuple[int
     engine = runtime.engine
 
     def gone() -> set[int]:
-        engine.learn_lost()  # (applies the notices that arrived, and what backends learned)
+        engine.check_signals()  # (applies the deaths told since the last look)
         return set(engine.gone)
 
     runtime.shrinks[comm.name] = n = runtime.shrinks.get(comm.name, 0) + 1
@@ -91,7 +91,7 @@ def shrink(runtime: Runtime, comm: Communicator) -> tuple[str, Groups, tuple[int
             error = _GONE  # (what failed it, whether or not its watcher saw it first)
         said = meeting.agree(f"{key}/made", live, "ok" if made is not None else error, gone)
         if made is not None and len(said) == len(live) and all(v == "ok" for v in said.values()):
-            _go_on_through(runtime, store, live[0])
+            _go_on_through(runtime, store, live[0], gone)
             return name, made, tuple(live)
         if made is not None:
             _abandon(runtime, made)
@@ -106,18 +106,16 @@ def shrink(runtime: Runtime, comm: Communicator) -> tuple[str, Groups, tuple[int
 
 def _meeting(runtime: Runtime, comm: Communicator) -> Any:
     """Where the survivors of ``comm`` agree: through a backend that carries the agreement
-    itself (`Backend.agreement`: MPI where it is fault tolerant; under mpiexec the store
-    lives in rank 0, which may be the one gone), else the bootstrap's store, or the meeting
-    point the runtime was given (a simulated world's).
+    itself (`Backend.agreement`: MPI where it is fault tolerant), else, where the store
+    lives in a rank that may be the one gone (mpiexec), the mesh between the ranks
+    (`mcrdl.bootstrap._mesh`), else the launcher's store, or the meeting point the runtime
+    was given (a simulated world's).
 
     Raises:
         BackendUnavailableError: there is none (a runtime made without a launcher).
     """
-    for bname in sorted(runtime._backends):
-        agreement = runtime._backends[bname].agreement(comm._slots[bname].group,
-                                                       runtime.engine.lock)
-        if agreement is not None:
-            return agreement
+    if runtime.mesh is not None:
+        return runtime.mesh
     if runtime._meeting is None:
         bootstrap = runtime.bootstrap
         if bootstrap is None:
@@ -127,16 +125,22 @@ def _meeting(runtime: Runtime, comm: Communicator) -> Any:
     return runtime._meeting
 
 
-def _go_on_through(runtime: Runtime, store: Any, host: int) -> None:
+def _go_on_through(runtime: Runtime, store: Any, host: int,
+                   gone: Callable[[], set[int]]) -> None:
     """Once the bootstrap's store went with its rank (mpiexec), the survivors' ``store``,
-    served by world rank ``host`` (`mcrdl.backends._ulfm`), goes on in its place: the
-    runtime's (`Runtime.store`) and the notices' (a connection of their own, as at init)."""
+    served by world rank ``host`` (`mcrdl.bootstrap._agree.store_among`), goes on in its
+    place: the runtime's (`Runtime.store`) and the notices' (a connection of their own, as
+    at init). Not where ``host`` is gone too (it died once it had made its groups): the new
+    communicator is broken already, and the shrink that follows moves on."""
     bootstrap = runtime.bootstrap
-    if bootstrap is None or bootstrap.store_host not in runtime.engine.gone:
+    if bootstrap is None or bootstrap.store_host not in runtime.engine.gone or host in gone():
         return
-    runtime._store = store
     if runtime.notices is not None:
-        runtime.notices.move(store.clone(), host)
+        try:
+            runtime.notices.move(store.clone(), host)
+        except Exception:  # noqa: BLE001 - ``host`` died meanwhile: as above
+            return
+    runtime._store = store
 
 
 def _make(runtime: Runtime, comm: Communicator, indices: list[int], name: str,

@@ -1,12 +1,12 @@
-"""Run by ``python -m mcrdl run`` or Open MPI's ``mpiexec --with-ft ulfm``
-(tests/test_survivors.py): examples/elastic.py, with one more rank killed inside its first
-shrink.
+"""Run by ``python -m mcrdl run``, Open MPI's ``mpiexec --with-ft ulfm`` or
+tests/ranks/given_store.py (tests/test_survivors.py): examples/elastic.py, with one more
+rank killed inside its first shrink.
 
     python -m mcrdl run -n 4 tests/ranks/shrink_death.py VICTIM POINT [example args...]
 
 Rank ``VICTIM`` dies (SIGKILL) right after it has given its answer to a round of the
-survivors' agreement (the store's, `mcrdl.bootstrap._agree.Meeting`, or MPI's,
-`mcrdl.backends._ulfm.Agreement`): POINT ``in`` (it said it is alive: the others' group
+survivors' agreement (the launcher's store's, `mcrdl.bootstrap._agree.Meeting`, or the
+mesh's, `mcrdl.bootstrap._mesh.Mesh`): POINT ``in`` (it said it is alive: the others' group
 creation cannot finish, and their next attempt goes on without it) or ``made`` (it said it
 made its groups: the new communicator has it, is broken at once, and a second shrink goes on
 without it).
@@ -17,8 +17,8 @@ import runpy
 import signal
 import sys
 
-from mcrdl.backends._ulfm import Agreement
 from mcrdl.bootstrap._agree import Meeting
+from mcrdl.bootstrap._mesh import Mesh
 
 victim, point, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
 rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1")))
@@ -29,8 +29,10 @@ def answering_then_dying(agree):
         if key.endswith(f"/{point}"):
             if isinstance(meeting, Meeting):
                 meeting.store.set(f"{key}/{meeting.rank}", value)  # (its own key in the round)
-            else:
-                agree(meeting, key, members, value, gone)  # (every live member has its answer)
+            else:  # the mesh's: its value sent to every other member
+                for m in members:
+                    if m != meeting.rank:
+                        meeting._send(m, f"{key}/value", value)
             os.kill(os.getpid(), signal.SIGKILL)
         return agree(meeting, key, members, value, gone)
     return answer_then_die
@@ -38,6 +40,6 @@ def answering_then_dying(agree):
 
 if rank == victim:
     Meeting.agree = answering_then_dying(Meeting.agree)
-    Agreement.agree = answering_then_dying(Agreement.agree)
+    Mesh.agree = answering_then_dying(Mesh.agree)
 sys.argv = ["examples/elastic.py", *args]
 runpy.run_path("examples/elastic.py", run_name="__main__")
