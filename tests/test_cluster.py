@@ -7,6 +7,7 @@ here names an address or an interface to mcrdl.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 
@@ -163,6 +164,36 @@ exec env -u PMI_RANK -u PMI_SIZE -u PMI_FD -u PMI_PORT -u PMI_ID -u MPI_LOCALNRA
   -u MPI_LOCALRANKID "$PY" -m torch.distributed.run --nnodes 2 --node-rank "$rank" \\
   --nproc-per-node 1 --master-addr 198.18.0.10 --master-port 29555 "$@"
 """
+
+
+@pytest.mark.skipif(not have_openmpi(), reason=NO_OPENMPI)
+def test_a_host_cut_off_is_learned_within_the_peer_timeout_and_the_others_go_on(tmp_path):
+    """Open MPI with its fault tolerance across 3 hosts, gloo alone up: at step 3 the last
+    host's link goes down, its rank alive behind it (tests/ranks/cut_off.py). Nothing closes
+    a connection: the survivors learn of it from the mesh's keep-alive within
+    MCRDL_PEER_TIMEOUT (3 s here, against gloo's and the operations' 30 s), shrink, and end
+    with the reference's parameters."""
+    peer_timeout = 3
+    out = tmp_path / "out"
+    out.mkdir()
+    # Outside the hosts: cut the link once the rank says it is ready, then end mpiexec (its
+    # process is prterun; it waits for the cut-off host's daemon for good, and SIGTERM too)
+    # once both survivors wrote their results.
+    during = ('while [ ! -e "$D/ready" ]; do sleep 0.05; done; ip link set v2 down;'
+              f' for i in $(seq 300); do [ -e {out}/rank0.json ] && [ -e {out}/rank1.json ]'
+              ' && break; sleep 0.2; done; sleep 1; pkill -9 -x prterun')
+    result = Cluster(3, openmpi=OPENMPI).run(
+        [sys.executable, "tests/ranks/cut_off.py", "--die-rank", "2", "--die-step", "3",
+         "--out", str(out)], timeout=120, cwd=ROOT, during=during,
+        env={**ENV, "MCRDL_BACKENDS": "gloo", "MCRDL_PEER_TIMEOUT": str(peer_timeout)})
+    log = result.output[-6000:]
+    assert f"rank 2 is gone: its host did not answer for {peer_timeout} s" in log, log
+    cut = float((out / "killed_at").read_text())
+    for rank in (0, 1):
+        end = json.loads((out / f"rank{rank}.json").read_text())
+        assert end["members"] == [0, 1] and end["match"], (end, log)
+        # the peer timeout, then the shrink (a new store connection can take 5 s here)
+        assert end["first_step_after"] - cut < peer_timeout + 7, (end, log)
 
 
 @pytest.mark.skipif(not have_openmpi(), reason=NO_OPENMPI)
