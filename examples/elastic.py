@@ -15,14 +15,16 @@ it kept at the step's start, so that all of them redo the same step.
 
 The launcher must let the survivors live and tell them of the death: ``python -m mcrdl
 run`` does (docs/reliability.md, "A dead peer"), and so does Open MPI's with its fault
-tolerance on, where MPI itself learns of the death and carries the agreement:
+tolerance on, where the ranks learn of it from their connections to each other:
 
     mpiexec --with-ft ulfm -n 3 python examples/elastic.py --backend gloo
 
 ``--backend`` names the backend of the allreduce (default: mcrdl's choice). At the end,
 the lowest survivor checks the
 parameters against a reference computed in one process: every rank's batches before the
-lost step, the survivors' from it on. ``--out DIR`` writes each survivor's figures there.
+step the survivors redo, the survivors' from it on (the lost step, or the one before where
+a survivor learned of the loss while its allreduce of that step was still in flight: the
+dead rank had finished it, but a survivor cannot know that, and fails it). ``--out DIR`` writes each survivor's figures there.
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ def main() -> None:
     w = torch.zeros(DIM, dtype=torch.float64)
     kept = {0: w}  # the state at the start of this step and of the one before
     step, lost_at, first_after, shrunk = 0, None, None, False
+    # The step the survivors redo: the lost one, or the one before where a survivor learned
+    # of the loss while its allreduce of that step was still in flight.
+    redone = args.die_step
     while step < args.steps:
         if step == args.die_step and me == args.die_rank:
             if args.out:
@@ -88,7 +93,7 @@ def main() -> None:
         try:
             if shrunk:  # every survivor redoes the earliest step any of them is at
                 step = int(comm.allgather(torch.tensor([step])).wait().min())
-                w, shrunk = kept[step], False
+                w, shrunk, redone = kept[step], False, step
                 print(f"rank {me}: survivors {list(comm.members)}, from step {step}",
                       flush=True)
             total = comm.allreduce(gradient(w, me, step), backend=args.backend).wait()
@@ -103,7 +108,7 @@ def main() -> None:
             first_after = time.time()
 
     lost = set(range(size)) - set(comm.members)
-    expected = reference(size, lost, args.die_step, args.steps)
+    expected = reference(size, lost, redone, args.steps)
     match = torch.allclose(w, expected, rtol=1e-12, atol=0)
     if comm.rank == 0:
         print(f"survivors {list(comm.members)} of {size}: the parameters "

@@ -77,6 +77,7 @@ def main() -> None:
     model, opt = wrapped(torch.zeros(DIM, dtype=torch.float64), args.fsdp)
     kept = {0: full_weight(model)}  # the full weight at the start of the last two steps
     step, shrunk = 0, False
+    redone = args.die_step  # the step the survivors redo (see examples/elastic.py)
     while step < args.steps:
         if step == args.die_step and me == args.die_rank:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -84,7 +85,7 @@ def main() -> None:
             if shrunk:  # every survivor redoes the earliest step any of them is at
                 earliest = torch.tensor([step])
                 dist.all_reduce(earliest, op=dist.ReduceOp.MIN)
-                step = int(earliest)
+                step = redone = int(earliest)
                 model, opt = wrapped(kept[step], args.fsdp)
                 shrunk = False
             x, y = batch(me, step)
@@ -102,7 +103,7 @@ def main() -> None:
 
     lost = set(range(size)) - set(members)
     w = kept[step]
-    match = torch.allclose(w, reference(size, lost, args.die_step, args.steps), rtol=1e-12,
+    match = torch.allclose(w, reference(size, lost, redone, args.steps), rtol=1e-12,
                            atol=0)
     if dist.get_rank() == 0:
         print(f"survivors {members} of {size}: the parameters "
