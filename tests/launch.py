@@ -67,6 +67,8 @@ def start_ranks(n: int, argv: list[str], *, env: dict[str, str] | None = None,
     full_env.update(env or {})
     if launcher == "mpi":
         cmd = [mpiexec(), "-n", str(n), "-prepend-rank", sys.executable, *argv]
+    elif launcher == "mpi-go-on":  # MPICH's, a death leaving the others running (mostly)
+        cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(n), sys.executable, *argv]
     elif launcher == "openmpi":  # with ULFM, Open MPI's fault tolerance: survivors go on
         full_env.update(openmpi_env())
         cmd = [str(OPENMPI / "bin" / "mpiexec"), "--with-ft", "ulfm", "--oversubscribe",

@@ -626,13 +626,14 @@ class Communicator:
 
     def shrink(self) -> Communicator:
         """A communicator of this one's members whose processes are alive, on every backend
-        (after `PeerLostError`: docs/reliability.md, "Going on"). Collective over the live
-        members, which agree on who is alive even when another dies meanwhile; ranks keep
-        this one's order. This one stays broken.
+        that can make a group once members are gone (after `PeerLostError`:
+        docs/reliability.md, "Going on"). Collective over the live members, which agree on
+        who is alive even when another dies meanwhile; ranks keep this one's order. This one
+        stays broken. A backend that cannot (MPICH's MPI) is left out, with a RuntimeWarning
+        saying so; an operation named for it then raises BackendUnavailableError.
 
         Raises:
-            BackendUnavailableError: a backend here cannot make a group once members are
-                gone (MPI: bring up gloo only).
+            BackendUnavailableError: no backend that reaches host memory would be left.
             MCRDLError: a live member did not call it within the bootstrap's timeout (under
                 a launcher that does not tell of deaths, a dead one), or could not make its
                 groups.

@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -231,15 +231,15 @@ class Runtime:
     def _extra_groups(self, parents: dict[str, Any], members: list[int], name: str,
                       store: Any = None) -> tuple[dict[str, Any], Any]:
         """The groups a communicator needs besides one per backend, made from ``parents``
-        (the parent's groups, or the worlds) in name order: one more per backend for named
-        operations (rule 8: they never share positions with unnamed ones), and debug mode's
-        group for fingerprints. ``store``: see `make_groups`."""
+        (the parent's groups, or the worlds, by backend) in name order: one more per backend
+        for named operations (rule 8: they never share positions with unnamed ones), and
+        debug mode's group for fingerprints. ``store``: see `make_groups`."""
         named = {bname: self._group(bname, parents[bname], members, f"{name}#named", store)
-                 for bname in sorted(self._backends)}
+                 for bname in sorted(parents)}
         debug = None
         if self.config.debug:
-            debug = self._group(self.control_backend, parents[self.control_backend], members,
-                                f"{name}#debug", store)
+            control = self.control_of(parents)
+            debug = self._group(control, parents[control], members, f"{name}#debug", store)
         return named, debug
 
     def _group(self, bname: str, parent: Any, members: Sequence[int], tag: str,
@@ -264,31 +264,30 @@ class Runtime:
         state = engine.comm(name, first.rank, first.size, members)
         slots = {}
         named = {}
-        for bname in self.selector.preference:
+        control = self.control_of(groups)
+        for bname in [b for b in self.selector.preference if b in groups]:
             backend = self._backends[bname]
             group = groups[bname]
             slots[bname] = Slot(backend, group, engine.lane(backend, group, state))
             group = named_groups[bname]
             named[bname] = Slot(backend, group,
                                 engine.lane(backend, group, state, "#named", named=True))
-        state.names = Names(engine, state, named[self.control_backend].lane,
-                            self.config.fusion_bytes)
+        state.names = Names(engine, state, named[control].lane, self.config.fusion_bytes)
         debug = None
         if debug_group is not None:
-            backend = self._backends[self.control_backend]
+            backend = self._backends[control]
             debug = Slot(backend, debug_group,
                          engine.lane(backend, debug_group, state, "#debug"))
         comm = Communicator(self, name, slots, members, debug, named)
         self._comms.append(comm)
         return comm
 
-    @property
-    def control_backend(self) -> str:
-        """The backend of the runtime's own exchanges (debug fingerprints, agreed totals):
-        rank-invariant, the first of the built-in preference that is up and reaches host
-        memory, whatever the selector prefers."""
-        names = sorted(n for n, b in self._backends.items()
-                       if "cpu" in b.capabilities.devices)  # (its exchanges are host arrays)
+    def control_of(self, backends: Iterable[str]) -> str:
+        """The backend of the runtime's own exchanges (debug fingerprints, agreed totals) on
+        a communicator of ``backends``: rank-invariant, the first of the built-in preference
+        among them that reaches host memory, whatever the selector prefers."""
+        names = sorted(n for n in backends  # (its exchanges are host arrays)
+                       if "cpu" in self._backends[n].capabilities.devices)
         return next((n for n in DEFAULT_PREFERENCE if n in names), names[0])
 
     def make_communicator(
@@ -302,15 +301,17 @@ class Runtime:
         return self._communicator(name, *groups, tuple(parent.members[m] for m in members))
 
     def make_groups(self, parent: Communicator, members: Sequence[int], name: str,
-                    store: Any = None) -> tuple[dict[str, Any], dict[str, Any], Any]:
+                    store: Any = None, without: Collection[str] = ()
+                    ) -> tuple[dict[str, Any], dict[str, Any], Any]:
         """Every group a communicator ``name`` of ``members`` of ``parent`` needs: one per
-        backend, one per backend for named operations, debug mode's (or None). Backend by
-        backend in name order (a selector's preference may differ between ranks). With a
-        ``store``, by ``Backend.regroup`` through it: ``parent`` has members that are gone
-        (`Communicator.shrink`)."""
-        parents = {bname: parent._slots[bname].group for bname in self._backends}
+        backend of ``parent`` but those ``without``, one per backend for named operations,
+        debug mode's (or None). Backend by backend in name order (a selector's preference
+        may differ between ranks). With a ``store``, by ``Backend.regroup`` through it:
+        ``parent`` has members that are gone (`Communicator.shrink`)."""
+        parents = {bname: slot.group for bname, slot in parent._slots.items()
+                   if bname not in without}
         groups = {bname: self._group(bname, parents[bname], members, name, store)
-                  for bname in sorted(self._backends)}
+                  for bname in sorted(parents)}
         return (groups, *self._extra_groups(parents, list(members), name, store))
 
     def store(self) -> Any:

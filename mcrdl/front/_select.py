@@ -140,6 +140,12 @@ class Selector:
                 )
         elif type(backend) is not str:
             raise TypeError(f"backend must be a backend name or None, got {backend!r}")
+        elif backend in self.preference:
+            raise BackendUnavailableError(
+                f"backend {backend!r} is not on this communicator: its survivors went on "
+                f"without it after a loss (it cannot make a group once members are gone); "
+                f"on it: {', '.join(n for n in self.preference if n in slots)}"
+            )
         elif backend in known_backends():
             raise BackendUnavailableError(
                 f"backend {backend!r} is not available in this runtime; available: "

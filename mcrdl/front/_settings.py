@@ -38,7 +38,7 @@ def agree_on_settings(runtime: Runtime) -> None:
     digest[33:] = np.frombuffer(runtime.config.fusion_bytes.to_bytes(8, "little"),
                                 dtype=np.uint8)
     world = runtime.world
-    table = world.allgather(digest, backend=runtime.control_backend).wait().reshape(
+    table = world.allgather(digest, backend=runtime.control_of(world.backends)).wait().reshape(
         world.size, 41)
     fusion = [int.from_bytes(bytes(row[33:]), "little") for row in table]
     if len(set(fusion)) > 1:

@@ -23,6 +23,7 @@ Every member goes through the same attempts, since each round's answer is the sa
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -57,15 +58,7 @@ def shrink(runtime: Runtime, comm: Communicator) -> tuple[str, Groups, tuple[int
         MCRDLError: a live member did not take part within the bootstrap's timeout, or could
             not make its groups while nobody died.
     """
-    cannot = sorted(n for n, b in runtime._backends.items()
-                    if not b.capabilities.regroups_after_loss)
-    if cannot:
-        raise BackendUnavailableError(
-            f"cannot shrink {comm.name}: backend(s) {', '.join(cannot)} cannot make a group "
-            f"once members are gone (MPICH's launcher fails; its fault-tolerant mode does not "
-            f"start; Open MPI's can, started by mpiexec --with-ft ulfm); bring up only "
-            f"backends that can (init(backends='gloo')), under a launcher that lets the "
-            f"survivors live (python -m mcrdl run)")
+    without = _without(runtime, comm)
     meeting = _meeting(runtime, comm)
     engine = runtime.engine
 
@@ -86,7 +79,7 @@ def shrink(runtime: Runtime, comm: Communicator) -> tuple[str, Groups, tuple[int
             made, error = None, _GONE
         else:
             made, error = _make(runtime, comm, [comm.members.index(m) for m in live], name,
-                                live, gone, store)
+                                live, gone, store, without)
         if made is None and gone() & set(live):
             error = _GONE  # (what failed it, whether or not its watcher saw it first)
         said = meeting.agree(f"{key}/made", live, "ok" if made is not None else error, gone)
@@ -102,6 +95,31 @@ def shrink(runtime: Runtime, comm: Communicator) -> tuple[str, Groups, tuple[int
                     f"rank {m} failed: {v}" for m, v in said.items() if v != "ok"))
         members = live
         attempt += 1
+
+
+def _without(runtime: Runtime, comm: Communicator) -> list[str]:
+    """The backends of ``comm`` that cannot make a group once members are gone (MPICH: its
+    launcher fails, its fault-tolerant mode does not start), which the survivors go on
+    without, saying so; the new communicator refuses an operation named for one.
+
+    Raises:
+        BackendUnavailableError: no backend that reaches host memory would be left (mcrdl's
+            own exchanges need one).
+    """
+    without = sorted(n for n in comm._slots
+                     if not runtime._backends[n].capabilities.regroups_after_loss)
+    why = ("cannot make a group once members are gone (MPICH's launcher fails, and its "
+           "fault-tolerant mode does not start; Open MPI's can, under mpiexec --with-ft ulfm)")
+    left = [n for n in comm._slots if n not in without
+            and "cpu" in runtime._backends[n].capabilities.devices]
+    if without and not left:
+        raise BackendUnavailableError(
+            f"cannot shrink {comm.name}: backend(s) {', '.join(without)} {why}, and no other "
+            f"backend that reaches host memory is up (bring gloo up too)")
+    if without:
+        warnings.warn(f"{comm.name}'s survivors go on without backend(s) {', '.join(without)}, "
+                      f"which {why}", RuntimeWarning, stacklevel=5)
+    return without
 
 
 def _meeting(runtime: Runtime, comm: Communicator) -> Any:
@@ -144,16 +162,17 @@ def _go_on_through(runtime: Runtime, store: Any, host: int,
 
 
 def _make(runtime: Runtime, comm: Communicator, indices: list[int], name: str,
-          live: list[int], gone: Callable[[], set[int]],
-          store: Any) -> tuple[Groups | None, str]:
-    """``name``'s groups among ``indices`` (ranks of ``comm``; world ranks ``live``), made
-    through ``store`` (the attempt's own: `Meeting.store_for`), or None and why: it failed,
-    or a member of ``live`` is gone before it finished."""
+          live: list[int], gone: Callable[[], set[int]], store: Any,
+          without: list[str]) -> tuple[Groups | None, str]:
+    """``name``'s groups among ``indices`` (ranks of ``comm``; world ranks ``live``) on its
+    backends but those ``without``, made through ``store`` (the attempt's own:
+    `Meeting.store_for`), or None and why: it failed, or a member of ``live`` is gone before
+    it finished."""
     result: list[Any] = []
 
     def build() -> None:
         try:
-            result.append(runtime.make_groups(comm, indices, name, store))
+            result.append(runtime.make_groups(comm, indices, name, store, without))
         except Exception as exc:  # noqa: BLE001 - reported to every member by the agreement
             result.append(exc)
 
@@ -175,4 +194,4 @@ def _abandon(runtime: Runtime, made: Groups) -> None:
     for bname, group in [*groups.items(), *named.items()]:
         runtime._backends[bname].abandon(group)
     if debug is not None:
-        runtime._backends[runtime.control_backend].abandon(debug)
+        runtime._backends[runtime.control_of(groups)].abandon(debug)

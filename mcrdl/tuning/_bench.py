@@ -263,7 +263,7 @@ def _split(total: int, n: int) -> tuple[list[int], list[int]]:
 def _timed(comm: Any, call: Callable[[], Any], warmup: int, budget: float,
            max_iters: int) -> tuple[float, int]:
     """(slowest rank's median seconds, iterations): the count is rank 0's, for everyone."""
-    control = comm.runtime.control_backend
+    control = comm.runtime.control_of(comm.backends)
     comm.barrier(backend=control).wait()
     t0 = time.perf_counter()
     for _ in range(warmup):
