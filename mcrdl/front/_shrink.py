@@ -1,9 +1,9 @@
 """``Communicator.shrink``: the survivors of a loss agree on who is alive and make a new
 communicator of them (docs/design.md, rule 9).
 
-Two rounds of the survivors' agreement per attempt, through the bootstrap's store
-(`mcrdl.bootstrap._agree`) or, where MPI is fault tolerant, through MPI
-(`mcrdl.backends._ulfm`; `_meeting` picks):
+Two rounds of the survivors' agreement per attempt, through the launcher's store
+(`mcrdl.bootstrap._agree`) or, where the store lives in a rank, the mesh between the ranks
+(`mcrdl.bootstrap._mesh`; `_meeting` picks):
 
 1. **Who is in.** Every live member says so; the answer is the same set on every one of
    them.
@@ -123,10 +123,9 @@ def _without(runtime: Runtime, comm: Communicator) -> list[str]:
 
 
 def _meeting(runtime: Runtime, comm: Communicator) -> Any:
-    """Where the survivors of ``comm`` agree: through a backend that carries the agreement
-    itself (`Backend.agreement`: MPI where it is fault tolerant), else, where the store
-    lives in a rank that may be the one gone (mpiexec), the mesh between the ranks
-    (`mcrdl.bootstrap._mesh`), else the launcher's store, or the meeting point the runtime
+    """Where the survivors of ``comm`` agree: where the store lives in a rank that may be
+    the one gone (mpiexec, a given store), the mesh between the ranks
+    (`mcrdl.bootstrap._mesh`); else the launcher's store, or the meeting point the runtime
     was given (a simulated world's).
 
     Raises:
