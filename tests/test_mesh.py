@@ -95,6 +95,32 @@ def test_every_member_gets_every_value_and_a_clean_close_is_no_loss():
     assert all(not b.lost for b in boots), [b.lost for b in boots]
 
 
+def test_a_stranger_at_the_listener_is_turned_away():
+    """A connection that is not a higher rank of the job (a port scanner, a rank number out
+    of range, one said twice) is closed, and the setup goes on."""
+    import socket
+    import struct
+
+    store = dist.HashStore()
+    boots = [FakeBootstrap(store, r, 2) for r in range(2)]
+    made: dict[int, Mesh] = {}
+    zero = threading.Thread(target=lambda: made.setdefault(0, Mesh(boots[0], 10.0, print)))
+    zero.start()
+    store.wait(["mcrdl/mesh/1/0"])
+    host, port = store.get("mcrdl/mesh/1/0").decode().rsplit(" ", 1)
+    strangers = [socket.create_connection((host, int(port))) for _ in range(2)]
+    strangers[0].sendall(struct.pack("!I", 7))  # (out of range)
+    strangers[1].close()  # (says nothing)
+    made[1] = Mesh(boots[1], 10.0, print)
+    zero.join(30)
+    try:
+        out = agree_all(made, "k", [0, 1], [0, 1])
+        assert out[0] == out[1] == {0: "v0", 1: "v1"}, out
+    finally:
+        close(list(made.values()))
+        strangers[0].close()
+
+
 def test_a_death_is_learned_by_every_peer_and_named():
     ms, boots = meshes(3)
     try:

@@ -278,10 +278,16 @@ def _connect(store: Any, rank: int, size: int, host: str,
                 sock = socket.create_connection((where, int(port)), timeout=timeout)
                 sock.sendall(_LENGTH.pack(rank))
                 socks[r] = sock
-        for _ in range(size - 1 - rank):
+        while len(socks) < size - 1:
             sock, _ = listener.accept()
             sock.settimeout(timeout)
-            (peer,) = _LENGTH.unpack(_exactly(sock, _LENGTH.size))
+            try:
+                (peer,) = _LENGTH.unpack(_exactly(sock, _LENGTH.size))
+            except OSError:
+                peer = -1
+            if not rank < peer < size or peer in socks:  # (not a rank of this job)
+                sock.close()
+                continue
             socks[peer] = sock
     except BaseException:
         for sock in socks.values():
