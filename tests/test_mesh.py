@@ -6,6 +6,7 @@ that reached some members only, a decision that reached some members only."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,6 +171,38 @@ def test_a_death_partway_through_a_round_leaves_one_answer(value_reaches, decisi
         _dying_leader(ms[0], decision_reaches)
         out = agree_all(ms, "k", [0, 1, 2], [0, 1, 2, 3])
         assert out[1] == out[2] == {0: "v0", 1: "v1", 2: "v2", 3: "v3"}, out
+    finally:
+        close(ms)
+
+
+def test_a_member_that_finalized_is_not_waited_for():
+    ms, boots = meshes(3, timeout=20)
+    try:
+        ms[1].close()
+        t0 = time.monotonic()
+        out = agree_all(ms, "k", [0, 2], [0, 1, 2])
+        assert out[0] == out[2] == {0: "v0", 2: "v2"}, out
+        assert time.monotonic() - t0 < 5
+        assert not boots[0].lost and not boots[2].lost  # (a goodbye: no loss)
+    finally:
+        close(ms)
+
+
+def test_a_member_cut_off_from_a_lower_one_is_told_it_was_left_out():
+    """Ranks 0 and 2 cannot reach each other, rank 1 reaches both: 0 decides {0, 1}, 1
+    takes it, and 2, given a set without itself, raises instead of going on with it."""
+    import socket
+
+    ms, _ = meshes(3)
+    try:
+        for a, b in ((0, 2), (2, 0)):
+            ms[a]._socks[b].shutdown(socket.SHUT_RDWR)
+        while 2 not in ms[0].lost or 0 not in ms[2].lost:
+            time.sleep(0.01)
+        out = agree_all(ms, "k", [0, 1, 2], [0, 1, 2])
+        assert out[0] == out[1] == {0: "v0", 1: "v1"}, out
+        assert isinstance(out[2], MCRDLError), out
+        assert "the survivors' set [0, 1] leaves this rank out" in str(out[2])
     finally:
         close(ms)
 

@@ -61,6 +61,18 @@ def test_from_a_given_store_survivors_learn_and_agree_through_the_mesh(tmp_path)
                     "gloo", log)
 
 
+def test_a_rank_ended_by_an_uncaught_exception_is_gone_for_the_others(tmp_path):
+    """From a given store (nobody outside the ranks tells): rank 1 raises out of the
+    program while rank 0 waits in an allreduce with it; rank 0 fails with PeerLostError at
+    once, not at its timeout (tests/ranks/raises.py: mcrdl's exit handler closes the mesh
+    without a goodbye)."""
+    done = finish(start_ranks(2, ["tests/ranks/raises.py", str(tmp_path)], launcher="given"),
+                  90)
+    log = (done.stdout + done.stderr)[-4000:]
+    outcome, after = (tmp_path / "rank0.txt").read_text().split()
+    assert outcome == "PeerLostError" and float(after[len("after="):]) < 5, log
+
+
 def test_under_mpich_the_survivors_go_on_without_mpi_and_say_so(tmp_path):
     """MPICH cannot make a group once a process is gone: rank 0 dies, and the survivors'
     shrunk world has gloo alone, a RuntimeWarning says so, and an operation named for MPI

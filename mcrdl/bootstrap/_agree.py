@@ -80,8 +80,8 @@ class Meeting:
                 raise MCRDLError(
                     f"{key}: ranks {missing} neither answered within {timeout:g} s nor are "
                     f"known gone: each live member must call shrink(); a process that died "
-                    f"is known gone only under a launcher that tells (python -m mcrdl run) "
-                    f"or a fault-tolerant MPI (Open MPI's mpiexec --with-ft ulfm)")
+                    f"is known gone only where a launcher tells (python -m mcrdl run, "
+                    f"torchrun's agent) or the ranks keep a mesh (the store in a rank)")
             self.pause(_POLL)
 
     def store_for(self, key: str, live: Sequence[int],
@@ -91,6 +91,3 @@ class Meeting:
         until the backend's timeout: neither the agreement nor the next attempt may queue
         behind it)."""
         return self.store.clone()
-
-
-

@@ -8,7 +8,9 @@ outlives the ranks to tell who died, nor hosts a store the survivors could still
   says nothing: each connection has the kernel's keep-alive probes and a limit on unanswered
   data (``TCP_USER_TIMEOUT``), so it fails once the host has not answered for
   ``peer_timeout`` seconds. The kernel answers the probes, so a busy process is never taken
-  for a dead one. A rank that finalizes says goodbye first: its end of stream is no loss.
+  for a dead one. A rank that finalizes says goodbye first: its end of stream is no loss
+  (the agreement stops waiting for it). One that ends on an exception it did not catch
+  leaves without a goodbye (`mcrdl.front._runtime`'s exit handler): a loss.
   One thread per rank sleeps in ``select`` over all its connections; nothing is sent while
   nobody dies, and the engine's steps never look at the mesh.
 - **The survivors' agreement** (the contract of `mcrdl.bootstrap._agree.Meeting`), without
@@ -19,13 +21,15 @@ outlives the ranks to tell who died, nor hosts a store the survivors could still
   perfect failure detector, the "hierarchical" algorithm: Cachin, Guerraoui and Rodrigues,
   *Introduction to Reliable and Secure Distributed Programming*, 5.1). Every live member
   decides the set of the lowest live member, which waited for every live member's value.
-  A rank the mesh cannot reach counts as gone: members cut off from each other each go on
-  with their side.
+  A rank the mesh cannot reach counts as gone. Where members are cut off from some of the
+  others only, a member may find itself left out of the set it is given (it raises), or
+  the next round fail; nothing asks for a majority.
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import selectors
 import socket
@@ -76,7 +80,9 @@ class Mesh:
         #: Keys whose agreement ended here (a late message for one is dropped).
         self._done: set[str] = set()
         self.lost: dict[int, str] = {}
+        #: Peers that said goodbye; those whose stream has ended too (they finalized).
         self._bye: set[int] = set()
+        self._left: set[int] = set()
         self._socks = _connect(bootstrap.store(), self.rank, bootstrap.size, bootstrap.host,
                                timeout)
         self._send_locks = {peer: threading.Lock() for peer in self._socks}
@@ -116,9 +122,13 @@ class Mesh:
                     (n,) = _LENGTH.unpack_from(buf)
                     if len(buf) < _LENGTH.size + n:
                         break
-                    key_, value = json.loads(bytes(buf[_LENGTH.size:_LENGTH.size + n]))
+                    frame = bytes(buf[_LENGTH.size:_LENGTH.size + n])
                     del buf[:_LENGTH.size + n]
-                    self._deliver(peer, key_, value)
+                    try:
+                        key_, value = json.loads(frame)
+                    except ValueError:  # (not mcrdl's: dropped, the connection kept)
+                        continue
+                    self._deliver(peer, str(key_), str(value))
 
     def _deliver(self, peer: int, key: str, value: str) -> None:
         with self._lock:
@@ -131,7 +141,11 @@ class Mesh:
     def _ended(self, peer: int, why: OSError | None) -> None:
         """``peer``'s stream ended (``why``: how it failed, or None for an end of stream)."""
         with self._lock:
+            if self._closed:  # (its own close: the sockets went under the reader)
+                return
             if peer in self._bye:
+                self._left.add(peer)
+                self._lock.notify_all()
                 return
             if why is not None and why.errno in _SILENT:
                 cause = (f"its host did not answer for {self.peer_timeout:g} s (cut off or "
@@ -187,16 +201,21 @@ class Mesh:
             self._done.add(key)
             for stale in [k for k in self._inbox if k[0].rsplit("/", 1)[0] == key]:
                 del self._inbox[stale]
+        if self.rank not in said:
+            raise MCRDLError(
+                f"{key}: the survivors' set {sorted(said)} leaves this rank out: a lower "
+                f"member could not reach it (its host cut off from some of the others)")
         return dict(sorted(said.items()))
 
     def _wait(self, key: str, peer: int, gone: Callable[[], Collection[int]],
-              deadline: float) -> str | None:
-        """``peer``'s message at ``key``, or None once ``peer`` is known gone."""
+                  deadline: float) -> str | None:
+        """``peer``'s message at ``key``, or None once ``peer`` is known gone or has
+        finalized (its goodbye came after its last message)."""
         while True:
             with self._lock:
                 if (key, peer) in self._inbox:
                     return self._inbox.pop((key, peer))
-                if peer in self.lost:
+                if peer in self.lost or peer in self._left:
                     return None
                 self._lock.wait(_LOOK)
             if peer in gone():
@@ -234,14 +253,14 @@ class Mesh:
 
     # -- the end ---------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Say goodbye to every peer, stop the reader and close the connections
-        (idempotent)."""
+    def close(self, goodbye: bool = True) -> None:
+        """Say goodbye to every peer (unless not ``goodbye``: they then count this rank as
+        gone), stop the reader and close the connections (idempotent)."""
         if self._closed:
             return
         self._closed = True
         for peer in self._socks:
-            if peer not in self.lost:
+            if goodbye and peer not in self.lost:
                 self._send(peer, _BYE, "")
         self._wake.send(b"x")
         self._thread.join(timeout=5.0)
@@ -252,7 +271,7 @@ class Mesh:
 #: The stores this process served to the survivors (`Mesh.store_for`).
 _SERVED: list[Any] = forever([])
 #: The errors of a connection whose peer's host stopped answering.
-_SILENT = {110, 113}  # ETIMEDOUT, EHOSTUNREACH
+_SILENT = {errno.ETIMEDOUT, errno.EHOSTUNREACH}
 
 
 def _connect(store: Any, rank: int, size: int, host: str,

@@ -91,7 +91,7 @@ class Notices:
 
     def _push(self, peers: list[int], payload: str) -> None:
         for peer in peers:
-            if self._host_gone():  # (under ULFM each survivor learns of deaths itself)
+            if self._host_gone():  # (each survivor learns of deaths from the mesh)
                 return
             try:
                 self._store.queue_push(f"mcrdl/notices/{peer}", payload)

@@ -61,7 +61,8 @@ class Runtime:
     """One ``init()``: the engine, the backends, the world communicator.
 
     Invariants:
-    - every backend in ``_backends`` is up on the world; each communicator has a group on each.
+    - every backend in ``_backends`` is up on the world; each communicator has a group on each,
+      but a shrunk one on those that could make one once members were gone.
     - after ``finalize()`` nothing can be submitted, and no future is left unfinished.
     """
 
@@ -502,8 +503,8 @@ class Runtime:
 
 def _watch_dump_signals(runtime: Runtime, bootstrap: Bootstrap | None) -> None:
     """SIGUSR2 dumps the flight recorder; so does SIGUSR1 where no MPI launcher started
-    this process (under one, SIGUSR1 is hydra's "a peer died", which aborts what is in
-    flight). Handlers the program installed itself are left alone; main thread only."""
+    this process (under one, SIGUSR1 is hydra's "a peer died", which is ignored: the mesh
+    tells who). Handlers the program installed itself are left alone; main thread only."""
     if threading.current_thread() is not threading.main_thread():
         return
     sigs = [signal.SIGUSR2]
@@ -683,7 +684,12 @@ EXIT_GRACE = 5
 
 
 def _finalize_at_exit() -> None:
+    # A program ended by an exception it did not catch is a failed rank: its peers learn it
+    # is gone (no goodbye on the mesh) rather than wait for it until their timeout.
+    crashed = getattr(sys, "last_value", None) is not None
     for runtime in list(_live):
+        if crashed and runtime.mesh is not None:
+            runtime.mesh.close(goodbye=False)
         try:
             runtime.finalize()
         except Exception as exc:  # noqa: BLE001 - report, but let the interpreter exit

@@ -145,7 +145,7 @@ def _meeting(runtime: Runtime, comm: Communicator) -> Any:
 def _go_on_through(runtime: Runtime, store: Any, host: int,
                    gone: Callable[[], set[int]]) -> None:
     """Once the bootstrap's store went with its rank (mpiexec), the survivors' ``store``,
-    served by world rank ``host`` (`mcrdl.bootstrap._agree.store_among`), goes on in its
+    served by world rank ``host`` (`mcrdl.bootstrap._mesh.Mesh.store_for`), goes on in its
     place: the runtime's (`Runtime.store`) and the notices' (a connection of their own, as
     at init). Not where ``host`` is gone too (it died once it had made its groups): the new
     communicator is broken already, and the shrink that follows moves on."""

@@ -212,7 +212,7 @@ class Cluster:
                 # Its daemons' session directories in this run's own: one a killed daemon
                 # left in /tmp would make a later run's fail to start, their pids being the
                 # same in a fresh PID namespace.
-                full_env.update({"TMPDIR": tmp,"MPI4PY_LIBMPI": str(self.openmpi / "lib" / "libmpi.so.40"),
+                full_env.update({"TMPDIR": tmp, "MPI4PY_LIBMPI": str(self.openmpi / "lib" / "libmpi.so.40"),
                                  "OMPI_ALLOW_RUN_AS_ROOT": "1",
                                  "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
             full_env.update(env or {})
