@@ -34,7 +34,8 @@ from .core._errors import (
 from .core._types import DType, OpKind, ReduceOp
 from .engine import CommFuture, EngineStats
 from .front._communicator import Communicator
-from .front._runtime import Runtime, current_runtime, finalize, init, span
+from .front._process import current_runtime, finalize, init, span
+from .front._runtime import Runtime
 from .front._taskcheck import TaskOrderWarning
 
 __version__ = "0.1.0"

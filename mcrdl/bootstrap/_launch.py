@@ -113,7 +113,7 @@ def mpi_up() -> Any:
 
 def finalize_mpi() -> None:
     """MPI_Finalize, unless MPI is not up or is finalized already; then disarm the alarm the
-    runtime may have set at exit to bound it (`mcrdl.front._runtime._finalize_at_exit`)."""
+    runtime may have set at exit to bound it (`mcrdl.front._process._finalize_at_exit`)."""
     MPI = mpi_up()  # noqa: N806 - the module
     if MPI is not None:
         MPI.Finalize()

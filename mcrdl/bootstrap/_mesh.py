@@ -10,7 +10,7 @@ outlives the ranks to tell who died, nor hosts a store the survivors could still
   ``peer_timeout`` seconds. The kernel answers the probes, so a busy process is never taken
   for a dead one. A rank that finalizes says goodbye first: its end of stream is no loss
   (the agreement stops waiting for it). One that ends on an exception it did not catch
-  leaves without a goodbye (`mcrdl.front._runtime`'s exit handler): a loss.
+  leaves without a goodbye (`mcrdl.front._process`'s exit handler): a loss.
   One thread per rank sleeps in ``select`` over all its connections; nothing is sent while
   nobody dies, and the engine's steps never look at the mesh.
 - **The survivors' agreement** (the contract of `mcrdl.bootstrap._agree.Meeting`), without

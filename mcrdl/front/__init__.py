@@ -2,7 +2,8 @@
 checks each call, picks its backend and hands it to the engine."""
 
 from ._communicator import Communicator
-from ._runtime import Runtime, current_runtime, finalize, init, span
+from ._process import current_runtime, finalize, init, span
+from ._runtime import Runtime
 from ._select import Selector
 from ._taskcheck import TaskOrderWarning
 

@@ -44,7 +44,7 @@ from _mcrdl_torch import DEVICES
 from ..bootstrap._launch import detect_launcher
 from ..core._errors import MCRDLError
 from ..front._communicator import Communicator
-from ..front._runtime import current_runtime, init
+from ..front._process import current_runtime, init
 from ._group import BACKEND_NAME, ProcessGroupMCRDL, region
 
 __all__ = ["BACKEND_NAME", "ProcessGroupMCRDL", "backend", "communicator",
