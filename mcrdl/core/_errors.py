@@ -89,5 +89,3 @@ class PeerLostError(CommBrokenError):
     """The operation's communicator broke because a member's process is gone (it died, or
     its host was cut off), as the launcher or the mesh between the ranks reported: the
     message names the lost ranks (world ranks). Communicators without them go on."""
-
-

@@ -2,7 +2,7 @@
 
 Peers match every operation on a communicator by its position. An operation that will not run
 as issued on one member -- it ends unissued (cancelled, a dependency failed, its start failed)
-or the engine gives up on it while issued (timed out, aborted) -- would leave the peers
+or the engine gives up on it while issued (timed out, finalized) -- would leave the peers
 matching different operations from then on: wrong data, and no error. The communicator
 *breaks* instead, on every member (`CommState` says how precisely: only what some member
 will never issue fails). This member stops issuing there and tells its peers where (its
@@ -50,7 +50,7 @@ __all__ = ["Breaks", "linger", "waited_by"]
 
 #: Errors that mean an issued operation will not run as its peers expect, so that it breaks
 #: its communicator like an operation that was never issued: the engine gave up on it
-#: (timed out, aborted, finalized, cancelled), or it never started (a backend's worker
+#: (timed out, finalized, cancelled), or it never started (a backend's worker
 #: thread could not start it). Any other error a backend reports is the operation's own.
 _NOT_AS_ISSUED = (CommTimeoutError, RuntimeFinalizedError, FutureCancelledError, StartError)
 

@@ -10,7 +10,7 @@ time (MPI can then run at thread level SERIALIZED). Who polls, and how they idle
 polls, is the drivers' business (`_drivers`), carrying out the one decision of `_idle`.
 
 Every operation ends in ``_settle``, whatever ends it: completion, a backend's error, a failed
-dependency, cancellation, a timeout, an abort, or its communicator breaking. What a failure
+dependency, cancellation, a timeout, or its communicator breaking. What a failure
 means for the operation's peers (rule 7: its communicator breaks) is `_breaks`; how device
 work is ordered by events (rule 6) is `_events`; how named operations get their places
 (rule 8) is `_names`.

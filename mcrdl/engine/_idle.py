@@ -231,7 +231,7 @@ class Idling:
         ``parks`` parks in a row for lack of anything to poll (each doubles the next, up to
         ``nap_max``), ``polls`` polls in a row that moved nothing (each doubles the pause
         after the next, up to ``background_max``); ``polled``: it just polled, and asks how
-        long to pause (deadlines are checked then: a timeout or an abort surfaces while the
+        long to pause (deadlines are checked then: a timeout or a peer's death surfaces while the
         caller computes, not only when some thread waits). ``lone``: a wait an awaiting task
         handed over, to block in while it is the lone operation of a backend that can block
         and no waiter drives (BLOCK; anything else: the hand-over is over)."""
@@ -296,8 +296,8 @@ class Idling:
     def check_deadlines(self, now: float) -> None:
         """Apply outside signals (``check_signals``); then, at most every ``timeout / 8``
         (0.25 s at most), bury zombies whose backend has finished with them, fail issued
-        operations older than ``timeout`` with CommTimeoutError, and named operations that waited for agreement
-        that long with DesyncError."""
+        operations older than ``timeout`` with CommTimeoutError, and named operations that
+        waited for agreement that long with DesyncError."""
         self.check_signals()
         if now < self._next_check:
             return

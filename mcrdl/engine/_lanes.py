@@ -48,7 +48,7 @@ class CommState:
     Peers match every operation on a communicator by its position (MPI and NCCL order
     collectives by call order; sends and receives by order per peer and tag). So an operation
     that will not run as issued on one member -- it ends unissued (cancelled, a dependency
-    failed, its start failed) or the engine gives up on it while issued (timed out, aborted)
+    failed, its start failed) or the engine gives up on it while issued (timed out, finalized)
     -- would leave the peers matching different operations from then on: wrong data, and no
     error. The communicator *breaks* instead, on every member: its unfinished and later
     operations fail with CommBrokenError naming the first cause, and nothing is issued on it

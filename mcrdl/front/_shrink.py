@@ -52,9 +52,9 @@ def shrink(runtime: Runtime, comm: Communicator) -> tuple[str, Groups, tuple[int
     ``comm``'s live members, agreed by all of them (see the module docstring).
 
     Raises:
-        BackendUnavailableError: a backend of ``comm`` cannot make a group once members are
-            gone, or there is no launched job's store to agree through
-            (`_meeting`).
+        BackendUnavailableError: no backend of ``comm`` that reaches host memory can make a
+            group once members are gone (`_without`), or there is no launched job's store to
+            agree through (`_meeting`).
         MCRDLError: a live member did not take part within the bootstrap's timeout, or could
             not make its groups while nobody died.
     """
